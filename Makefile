@@ -1,0 +1,33 @@
+# The two commands of the README: `make verify` (the main job) and `make test` (the suite).
+# Both set up .venv first, with nothing but Python >= 3.11 and pip.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+SOURCES := pyproject.toml $(shell find cli model impl proofs -name '*.py' 2>/dev/null)
+
+.PHONY: venv verify test clean
+
+venv: $(VENV)/.ready
+
+# The code folders install as the kvoffload package through a link tree (strict editable
+# mode), so a new module needs a reinstall: the stamp depends on every source file.
+$(VENV)/.ready: $(SOURCES)
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=68"
+	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]" \
+		--config-settings editable_mode=strict
+	touch $@
+
+verify: venv
+	$(BIN)/kvoffload demo
+
+test: venv
+	$(BIN)/python -m pytest
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy -p kvoffload
+	$(BIN)/mypy tests
+
+clean:
+	rm -rf $(VENV) build .hypothesis .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,3 @@
+from kvoffload.main import main
+
+raise SystemExit(main())

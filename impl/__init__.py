@@ -1,0 +1,1 @@
+"""kvoffload.impl: the real offload implementation on torch (to come; see the issues)."""

@@ -1,0 +1,64 @@
+"""Configuration of an offloading setup, shared by the model and every implementation.
+
+Invariants kept here (checked once, at construction):
+
+- every size is a positive integer;
+- ``hash_block_size`` divides every group's block size (vLLM resolves a group's block keys
+  from the fine-grained chain, one key per ``block_size // hash_block_size`` hash blocks);
+- the scheduler block size is the least common multiple of the group block sizes, so every
+  group block size divides it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from kvoffload.model.errors import ConfigError
+
+
+def _require_positive_int(name: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{name} must be an int, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    """One engine with one GPU block pool, one CPU block pool and eager offloading.
+
+    ``gpu_blocks`` and ``cpu_blocks`` count every block of the pool, the null block 0
+    included, so the usable capacity of each pool is one less. ``group_block_sizes`` holds
+    one block size per full-attention KV group; the groups share both pools, as vLLM's
+    groups share one ``BlockPool``. ``world_size`` is the number of workers that must
+    report a store before it counts as complete.
+    """
+
+    gpu_blocks: int
+    cpu_blocks: int
+    group_block_sizes: tuple[int, ...] = (16,)
+    hash_block_size: int = 16
+    world_size: int = 1
+    scheduler_block_size: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        _require_positive_int("gpu_blocks", self.gpu_blocks)
+        _require_positive_int("cpu_blocks", self.cpu_blocks)
+        _require_positive_int("hash_block_size", self.hash_block_size)
+        _require_positive_int("world_size", self.world_size)
+        sizes = self.group_block_sizes
+        if not isinstance(sizes, tuple) or not sizes:
+            raise ConfigError(f"group_block_sizes must be a non-empty tuple, got {sizes!r}")
+        for g, size in enumerate(sizes):
+            _require_positive_int(f"group_block_sizes[{g}]", size)
+            if size % self.hash_block_size != 0:
+                raise ConfigError(
+                    f"hash_block_size {self.hash_block_size} does not divide "
+                    f"group {g}'s block size {size}"
+                )
+        object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.group_block_sizes)

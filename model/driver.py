@@ -1,0 +1,209 @@
+"""The driver API: what a test, the conformance machine or a person calls step by step.
+
+:class:`OffloadModel` validates every call before it changes anything, so that bad input
+raises a :class:`~kvoffload.model.errors.KVOffloadError` naming the problem and leaves
+the state unchanged. With ``check=True`` every call ends with ``check()`` of all
+invariants.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.engine import Engine, RequestStatus
+from kvoffload.model.errors import (
+    ConfigError,
+    DuplicateCompletionError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    RequestFinishedError,
+    UnknownEventError,
+    UnknownRequestError,
+)
+from kvoffload.model.invariants import check
+from kvoffload.model.keys import prefix_digests
+from kvoffload.model.lookup import find_longest_cache_hit
+from kvoffload.model.observe import take_snapshot
+from kvoffload.model.snapshot import Snapshot
+from kvoffload.model.types import FinishResult, StepResult
+from kvoffload.model.variants import VARIANTS
+
+
+def _require_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _require_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not tokens:
+        raise InvalidArgumentError(f"tokens must be a non-empty sequence of ints, got {tokens!r}")
+    for t in tokens:
+        _require_int("token id", t, 0)
+    return tuple(tokens)
+
+
+class OffloadModel:
+    """The model of one engine with eager CPU offloading, driven call by call."""
+
+    def __init__(self, config: OffloadConfig, variant: str = "fixed", check: bool = False) -> None:
+        if variant not in VARIANTS:
+            raise ConfigError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
+        self.config = config
+        self.variant = variant
+        self.engine = Engine(config, VARIANTS[variant])
+        self.checked = check
+        self._store_reports: dict[int, set[int]] = {}
+        self._load_reports: dict[int, set[int]] = {}
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
+        """Queue a request; it decodes ``max_tokens`` tokens after its prompt, then finishes."""
+        if not isinstance(request_id, str) or not request_id:
+            raise InvalidArgumentError(f"request id must be a non-empty str, got {request_id!r}")
+        if request_id in self.engine.requests:
+            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        tokens = _require_tokens(prompt)
+        _require_int("max_tokens", max_tokens, 1)
+        # As vLLM's max_model_len check: a request must fit in the GPU pool on its own. The
+        # last sampled token is never computed, so it needs no slot.
+        need = sum(
+            -(-(len(tokens) + max_tokens - 1) // size) for size in self.config.group_block_sizes
+        )
+        if need > self.config.gpu_blocks - 1:
+            raise InvalidArgumentError(
+                f"request {request_id!r} needs {need} GPU blocks for {len(tokens)} prompt and "
+                f"{max_tokens - 1} computed output tokens; the GPU pool has "
+                f"{self.config.gpu_blocks - 1}"
+            )
+        self._begin()
+        self.engine.add_request(request_id, tokens, max_tokens)
+        self._end()
+
+    def step(self, token_budget: int) -> StepResult:
+        """One engine step with at most ``token_budget`` tokens computed."""
+        _require_int("token_budget", token_budget, 0)
+        self._begin()
+        result = self.engine.step(token_budget)
+        self._end()
+        return result
+
+    def finish(self, request_id: str) -> FinishResult:
+        """Finish (abort) a request now: final flush, connector cleanup, GPU blocks freed."""
+        self._known_live_request(request_id)
+        self._begin()
+        transfer = self.engine.finish_request(request_id)
+        self._end()
+        if transfer is None:
+            return FinishResult(request_id)
+        return FinishResult(
+            request_id, tuple(transfer.gpu_block_ids), tuple(transfer.cpu_block_ids)
+        )
+
+    def complete_store(self, event: int, worker: int = 0) -> bool:
+        """Worker ``worker`` reports store ``event`` done; True when all workers have."""
+        counter = self.engine.connector.store_event_counter
+        reports = self._completion("store", event, worker, counter, self._store_reports)
+        self._begin()
+        reports.add(worker)
+        self.engine.store_completed(event, 1)
+        self._end()
+        return len(reports) == self.config.world_size
+
+    def complete_load(self, event: int, worker: int = 0) -> tuple[str, ...]:
+        """Worker ``worker`` reports load ``event`` done; returns the requests whose load is
+        now complete on every worker (empty until the last worker reports)."""
+        counter = self.engine.connector.load_event_counter
+        reports = self._completion("load", event, worker, counter, self._load_reports)
+        self._begin()
+        reports.add(worker)
+        finished: tuple[str, ...] = ()
+        if len(reports) == self.config.world_size:
+            finished = self.engine.connector.load_event_to_reqs_for(event)
+            self.engine.loads_finished(set(finished))
+        self._end()
+        return finished
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """Tokens of a prompt the CPU pool would serve now (read-only: pins nothing)."""
+        prompt = _require_tokens(tokens)
+        digests = prefix_digests(prompt, self.config.hash_block_size)
+        _, hit = find_longest_cache_hit(
+            self.engine.connector.cpu_pool, digests, 0, len(prompt) - 1, self.config
+        )
+        return hit
+
+    def reset(self) -> bool:
+        """The connector's ``reset()``: True when the CPU cache could be cleared."""
+        self._begin()
+        result = self.engine.connector.reset()
+        self._end()
+        return result
+
+    def has_pending_stores(self) -> bool:
+        return self.engine.connector.has_pending_stores()
+
+    def live_requests(self) -> list[str]:
+        """Requests added and not finished, in the order they were added."""
+        return [
+            r for r, req in self.engine.requests.items() if req.status is not RequestStatus.FINISHED
+        ]
+
+    def outstanding(self, kind: str) -> list[tuple[int, int]]:
+        """The (event, worker) completions of ``kind`` ("store" or "load") still owed."""
+        if kind == "store":
+            counter, table = self.engine.connector.store_event_counter, self._store_reports
+        elif kind == "load":
+            counter, table = self.engine.connector.load_event_counter, self._load_reports
+        else:
+            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
+        return [
+            (event, worker)
+            for event in range(counter)
+            for worker in range(self.config.world_size)
+            if worker not in table.get(event, set())
+        ]
+
+    def snapshot(self) -> Snapshot:
+        return take_snapshot(self.engine)
+
+    def check(self) -> None:
+        """Check every invariant; raise the first violation, naming its ID."""
+        check(self.engine)
+
+    # -- validation -------------------------------------------------------------------------
+
+    def _known_live_request(self, request_id: str) -> None:
+        req = self.engine.requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        if req.status is RequestStatus.FINISHED:
+            raise RequestFinishedError(f"request {request_id!r} has already finished")
+
+    def _completion(
+        self, kind: str, event: int, worker: int, counter: int, table: dict[int, set[int]]
+    ) -> set[int]:
+        _require_int("event", event, 0)
+        _require_int("worker", worker, 0)
+        if worker >= self.config.world_size:
+            raise InvalidArgumentError(
+                f"worker {worker} is out of range for world_size {self.config.world_size}"
+            )
+        if event >= counter:
+            raise UnknownEventError(f"{kind} event {event} was never issued (next is {counter})")
+        reports = table.get(event, set())
+        if worker in reports:
+            raise DuplicateCompletionError(f"worker {worker} already reported {kind} event {event}")
+        table[event] = reports
+        return reports
+
+    def _begin(self) -> None:
+        self.engine.connector.clear_logs()
+
+    def _end(self) -> None:
+        if self.checked:
+            check(self.engine)

@@ -1,0 +1,353 @@
+"""The engine around the connector, reduced to what the connector sees.
+
+vLLM's scheduler and KV cache manager for full-attention groups: requests as token ids
+with chained keys, GPU blocks per request and group, GPU prefix-cache hits, a step with a
+token budget (running requests first, then waiting ones in order; chunked prefill;
+one-token decode steps), async CPU loads, and finish, which tells the connector before it
+frees the request's GPU blocks.
+
+Not modelled: preemption (a running request that cannot get blocks waits for a later
+step, and no waiting request is admitted in that step), speculative decoding, sliding
+windows, Mamba, encoder inputs, lazy offloading.
+
+Invariants kept (checked by :mod:`kvoffload.model.invariants`):
+
+- REF-GPU: each GPU block's ref count is the number of request block tables holding it
+  plus the store transfers (queued, in flight, abandoned) and loads (pending, in flight,
+  abandoned) that include it.
+- REF-CPU: each CPU block's ref count is the number of lookup pins and loads that include
+  it plus one if it is the destination of a queued, in-flight or abandoned store.
+- KEYS: the GPU blocks of a request's computed full blocks carry the request's keys.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from kvoffload.model.block_pool import Block, BlockPool
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.keys import block_keys, extend_digests, fine_key
+from kvoffload.model.lookup import find_longest_cache_hit
+from kvoffload.model.offload import Disposition, OffloadScheduler, Transfer
+from kvoffload.model.types import StepResult
+
+# Decoded tokens come from a small alphabet so that continuations are shared, as with
+# greedy decoding of equal prefixes.
+DECODE_ALPHABET = 4
+
+
+def greedy_token(tokens: Sequence[int]) -> int:
+    """The token the reduced model decodes after ``tokens``: a function of the prefix."""
+    return sum(tokens) % DECODE_ALPHABET
+
+
+class RequestStatus(StrEnum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt: tuple[int, ...]
+    max_tokens: int
+    hash_block_size: int
+    output: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    digests: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        extend_digests(self.digests, self.all_token_ids, self.hash_block_size)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return [*self.prompt, *self.output]
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt) + len(self.output)
+
+    def append_output(self, token: int) -> None:
+        self.output.append(token)
+        extend_digests(self.digests, self.all_token_ids, self.hash_block_size)
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """What ``build_connector_meta`` reads: new requests with their whole block table,
+    running requests with the blocks added this step, and tokens scheduled per request."""
+
+    new_reqs: tuple[tuple[str, tuple[list[int], ...]], ...]
+    cached_reqs: tuple[tuple[str, tuple[list[int], ...]], ...]
+    num_scheduled_tokens: dict[str, int]
+
+    def req_data(self) -> Iterator[tuple[str, tuple[list[int], ...]]]:
+        yield from self.new_reqs
+        yield from self.cached_reqs
+
+
+@dataclass(frozen=True)
+class FinishRecord:
+    """Ghost record of a tracked request's finish, for FLUSH-COMPLETE."""
+
+    request_id: str
+    confirmed_blocks: tuple[int, ...]
+    dispositions: tuple[dict[int, Disposition], ...]
+
+
+class Engine:
+    """The reduced vLLM engine core with one offload connector."""
+
+    def __init__(
+        self, config: OffloadConfig, connector_cls: type[OffloadScheduler] = OffloadScheduler
+    ) -> None:
+        self.config = config
+        self.gpu_pool = BlockPool(config.gpu_blocks, "gpu")
+        self.connector = connector_cls(config, self.gpu_pool)
+        self.requests: dict[str, Request] = {}
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self.req_to_blocks: dict[str, list[list[int]]] = {}
+        self.num_cached_blocks: dict[str, list[int]] = {}
+        self.finished_recving: set[str] = set()
+        self.delayed_free: set[str] = set()
+        self.finish_records: list[FinishRecord] = []
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        self.requests[request_id] = Request(
+            request_id, tuple(prompt), max_tokens, self.config.hash_block_size
+        )
+        self.waiting.append(request_id)
+
+    def blocks_of(self, request_id: str) -> list[list[int]]:
+        return self.req_to_blocks.get(request_id, [[] for _ in self.config.group_block_sizes])
+
+    # -- one step ---------------------------------------------------------------------------
+
+    def step(self, token_budget: int) -> StepResult:
+        budget = token_budget
+        scheduled: dict[str, tuple[int, int]] = {}
+        new_reqs: list[tuple[str, tuple[list[int], ...]]] = []
+        cached_reqs: list[tuple[str, tuple[list[int], ...]]] = []
+        loading: list[str] = []
+        running_blocked = False
+
+        for req_id in self.running:
+            if budget <= 0:
+                break
+            req = self.requests[req_id]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            before = [len(ids) for ids in self.blocks_of(req_id)]
+            if not self._allocate_slots(req, num_new):
+                running_blocked = True
+                break
+            after = self.blocks_of(req_id)
+            cached_reqs.append(
+                (req_id, tuple(list(ids[n:]) for ids, n in zip(after, before, strict=True)))
+            )
+            scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
+            budget -= num_new
+
+        for req_id in [] if running_blocked else list(self.waiting):
+            if budget <= 0:
+                break
+            req = self.requests[req_id]
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                if req_id not in self.finished_recving:
+                    continue
+                self._update_waiting_for_remote_kv(req)
+            hit_blocks: tuple[list[Block], ...] | None = None
+            local = external = 0
+            load_async = False
+            if req.num_computed_tokens == 0:
+                hit_blocks, local = find_longest_cache_hit(
+                    self.gpu_pool, req.digests, 0, req.num_tokens - 1, self.config
+                )
+                external, load_async = self.connector.get_num_new_matched_tokens(req, local)
+            num_new = (
+                0
+                if load_async
+                else min(req.num_tokens - req.num_computed_tokens - local - external, budget)
+            )
+            if not self._allocate_slots(req, num_new, hit_blocks, local, external, load_async):
+                break
+            self.connector.update_state_after_alloc(
+                req, tuple(list(ids) for ids in self.blocks_of(req_id)), external
+            )
+            if load_async:
+                req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                req.num_computed_tokens = local + external
+                loading.append(req_id)
+                continue
+            req.num_computed_tokens += local + external
+            self.waiting.remove(req_id)
+            self.running.append(req_id)
+            req.status = RequestStatus.RUNNING
+            new_reqs.append((req_id, tuple(list(ids) for ids in self.blocks_of(req_id))))
+            scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
+            budget -= num_new
+
+        output = SchedulerOutput(
+            tuple(new_reqs),
+            tuple(cached_reqs),
+            {req_id: end - start for req_id, (start, end) in scheduled.items()},
+        )
+        metadata = self.connector.build_connector_meta(output)
+        # Computed tokens advance only after the connector has seen the step, so a block
+        # computed in step N is confirmed in step N + 1.
+        finished: list[str] = []
+        for req_id, (_, end) in scheduled.items():
+            req = self.requests[req_id]
+            req.num_computed_tokens = end
+            if end == req.num_tokens:
+                req.append_output(greedy_token(req.all_token_ids))
+                if len(req.output) >= req.max_tokens:
+                    self.finish_request(req_id)
+                    finished.append(req_id)
+        return StepResult(scheduled, tuple(loading), tuple(finished), metadata)
+
+    def _allocate_slots(
+        self,
+        req: Request,
+        num_new: int,
+        hit_blocks: tuple[list[Block], ...] | None = None,
+        num_local: int = 0,
+        num_external: int = 0,
+        delay_cache: bool = False,
+    ) -> bool:
+        """Give ``req`` slots for ``num_new`` more tokens; False when the pool is too small."""
+        req_id = req.request_id
+        sizes = self.config.group_block_sizes
+        current = self.blocks_of(req_id)
+        hits = hit_blocks if hit_blocks is not None else tuple([] for _ in sizes)
+        computed = req.num_computed_tokens + num_local + num_external
+        need = [
+            max(0, math.ceil((computed + num_new) / size) - len(ids) - len(hit))
+            for size, ids, hit in zip(sizes, current, hits, strict=True)
+        ]
+        # Hit blocks that sit in the free queue leave it when touched.
+        evictable = sum(1 for hit in hits for b in hit if b.ref_cnt == 0 and not b.is_null)
+        if sum(need) + evictable > self.gpu_pool.num_free_blocks:
+            return False
+        if req_id not in self.req_to_blocks:
+            # First allocation: touch every group's hits before any block is taken, then the
+            # blocks of the external range, then the rest (vLLM issue #33775).
+            self.req_to_blocks[req_id] = [[b.block_id for b in hit] for hit in hits]
+            self.num_cached_blocks[req_id] = [len(hit) for hit in hits]
+            for hit in hits:
+                self.gpu_pool.touch(hit)
+            if num_external:
+                for g, size in enumerate(sizes):
+                    ids = self.req_to_blocks[req_id][g]
+                    n = max(0, math.ceil((num_local + num_external) / size) - len(ids))
+                    ids.extend(b.block_id for b in self.gpu_pool.get_new_blocks(n))
+        for g, size in enumerate(sizes):
+            ids = self.req_to_blocks[req_id][g]
+            n = max(0, math.ceil((computed + num_new) / size) - len(ids))
+            ids.extend(b.block_id for b in self.gpu_pool.get_new_blocks(n))
+        if not delay_cache:
+            self.cache_blocks(req, min(computed + num_new, req.num_tokens))
+        return True
+
+    def cache_blocks(self, req: Request, num_tokens: int) -> None:
+        """Register the keys of ``req``'s full blocks up to ``num_tokens``, and its prompt tail."""
+        hbs = self.config.hash_block_size
+        for g, size in enumerate(self.config.group_block_sizes):
+            ids = self.req_to_blocks[req.request_id][g]
+            blocks = [self.gpu_pool.blocks[i] for i in ids]
+            cached = self.num_cached_blocks[req.request_id]
+            num_full = num_tokens // size
+            if num_full > cached[g]:
+                keys = block_keys(req.digests, g, size, hbs)
+                self.gpu_pool.cache_full_blocks(blocks, keys, cached[g], num_full)
+                cached[g] = num_full
+            if size == hbs:
+                continue
+            # The prompt's last hash boundary, when it falls inside a block, is registered on
+            # that block: as its primary while the block is partial, as a secondary key once
+            # the block is full (vLLM's FullAttentionManager._cache_partial_tail_block).
+            boundary = len(req.prompt) // hbs * hbs
+            if boundary == 0 or boundary > num_tokens or boundary % size == 0:
+                continue
+            index = boundary // size
+            if index < len(blocks):
+                key = fine_key(req.digests, boundary // hbs - 1, g, hbs)
+                self.gpu_pool.cache_partial_block(blocks[index], key)
+
+    def _update_waiting_for_remote_kv(self, req: Request) -> None:
+        self.cache_blocks(req, req.num_computed_tokens)
+        # On a full hit the last token is recomputed, to sample from it.
+        if req.num_computed_tokens == req.num_tokens:
+            req.num_computed_tokens = req.num_tokens - 1
+        self.finished_recving.discard(req.request_id)
+        req.status = RequestStatus.WAITING
+
+    # -- finish -----------------------------------------------------------------------------
+
+    def finish_request(self, request_id: str) -> Transfer | None:
+        """Finish (or abort) a request: the connector first, then its GPU blocks."""
+        req = self.requests[request_id]
+        sizes = self.config.group_block_sizes
+        block_ids = tuple(
+            ids[: math.ceil(req.num_computed_tokens / size)]
+            for ids, size in zip(self.blocks_of(request_id), sizes, strict=True)
+        )
+        tracked = request_id in self.connector.reqs_to_store
+        flushed = self.connector.request_finished_all_groups(req, block_ids)
+        if tracked:
+            aligned = req.num_computed_tokens // self.config.scheduler_block_size
+            aligned *= self.config.scheduler_block_size
+            self.finish_records.append(
+                FinishRecord(
+                    request_id,
+                    tuple(
+                        min(len(ids), aligned // size)
+                        for ids, size in zip(block_ids, sizes, strict=True)
+                    ),
+                    tuple(dict(d) for d in self.connector.dispositions.get(request_id, [])),
+                )
+            )
+        self.connector.dispositions.pop(request_id, None)
+        loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request_id in self.running:
+            self.running.remove(request_id)
+        if request_id in self.waiting:
+            self.waiting.remove(request_id)
+        req.status = RequestStatus.FINISHED
+        if loading and request_id not in self.finished_recving:
+            # The load still writes into these blocks: they are freed when it completes.
+            self.delayed_free.add(request_id)
+        else:
+            self.finished_recving.discard(request_id)
+            self._free_blocks(request_id)
+        return flushed
+
+    def _free_blocks(self, request_id: str) -> None:
+        for ids in self.req_to_blocks.pop(request_id, []):
+            # Tail blocks first, so that they are evicted first.
+            self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in reversed(ids)])
+        self.num_cached_blocks.pop(request_id, None)
+
+    # -- completions ------------------------------------------------------------------------
+
+    def loads_finished(self, request_ids: set[str]) -> None:
+        """Every worker has loaded these requests' blocks."""
+        self.connector.update_connector_output(request_ids, {})
+        for req_id in sorted(request_ids):
+            req = self.requests[req_id]
+            if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self.finished_recving.add(req_id)
+            elif req_id in self.delayed_free:
+                self.delayed_free.discard(req_id)
+                self._free_blocks(req_id)
+
+    def store_completed(self, event: int, count: int) -> None:
+        self.connector.update_connector_output(set(), {event: count})

@@ -1,0 +1,344 @@
+"""The named invariants of the model, and ``check(state)`` that checks them all.
+
+Each invariant has an ID, one line here and one row in ``docs/spec.md``. ``violations``
+returns every violation found; ``check`` raises the first as an
+:class:`~kvoffload.model.errors.InvariantViolation` naming its ID. State invariants hold
+between any two driver calls; transition invariants (POOL-FRESH, SKIP, CAPACITY,
+REGISTERED, RESET) are checked on the ghost records of the last driver call.
+
+- POOL-QUEUE: a non-null block is queued iff its ref count is 0; no duplicates, never
+  the null block, no negative ref count.
+- POOL-MAP: every (key, block) in a map is that block's primary or secondary key; every
+  secondary key is mapped, its block has a primary, and it is not that primary.
+- POOL-PRIMARY: the primary key of a free hashed block is mapped to that block.
+- POOL-NULL: the null block holds no key.
+- POOL-FRESH: a newly allocated block has ref count 1 and no key at all.
+- REF-GPU: a GPU block's ref count equals its holders: request block tables, store
+  transfers (queued, in flight, abandoned) and loads (pending, in flight, abandoned).
+- REF-CPU: a CPU block's ref count equals its holders: lookup pins, loads, and the store
+  (queued, in flight, abandoned) it is the destination of.
+- KEYS: each cached full GPU block of a request carries that request's key for its position.
+- SKIP: a selected GPU block is not null, is hashed, was not in flight and its key was not
+  in the CPU map.
+- CAPACITY: a selection takes at most as many blocks as the CPU pool had free.
+- UNREACHABLE: the CPU destination of a store that has not completed holds no mapped key.
+- REGISTERED: a completed store maps the GPU block's primary (with its token count) and
+  every secondary key to the CPU block, which is free.
+- PENDING: has_pending_stores() iff a flush is queued or a store is in flight or abandoned.
+- IN-FLIGHT: the in-flight set equals the GPU blocks of queued flushes and in-flight events.
+- RESET: after reset no flush is queued; it returned True iff nothing was abandoned and the
+  CPU pool was idle, and then the CPU pool holds no key.
+- EVENTS: events are issued in order without reuse, every known event is below its
+  counter, each store event is processed once, partial counts stay below world_size.
+- FLUSH-COMPLETE: a tracked request's finish leaves every confirmed block with a
+  disposition: stored, present, in flight, null, unhashed or dropped for capacity.
+- LOAD-PINNED: CPU blocks pinned by a lookup or a load are in use and mapped by their primary.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from kvoffload.model.block_pool import BlockPool
+from kvoffload.model.engine import Engine
+from kvoffload.model.errors import InvariantViolation
+from kvoffload.model.keys import block_keys
+from kvoffload.model.offload import Transfer
+
+
+def _stores(state: Engine) -> list[Transfer]:
+    c = state.connector
+    return [
+        *c.pending_finished_stores,
+        *c.store_event_to_blocks.values(),
+        *c.abandoned_store_event_to_blocks.values(),
+    ]
+
+
+def _loads(state: Engine) -> list[Transfer]:
+    c = state.connector
+    return [s.transfer for s in [*c.reqs_to_load.values(), *c.abandoned_reqs_to_load.values()]]
+
+
+def _pools(state: Engine) -> list[BlockPool]:
+    return [state.gpu_pool, state.connector.cpu_pool]
+
+
+def pool_queue(state: Engine) -> Iterator[str]:
+    for pool in _pools(state):
+        queued = Counter(pool.free_queue)
+        for block_id, n in queued.items():
+            if n > 1:
+                yield f"{pool.name} block {block_id} is queued {n} times"
+        for b in pool.blocks:
+            if b.ref_cnt < 0:
+                yield f"{pool.name} block {b.block_id} has ref count {b.ref_cnt}"
+            if b.is_null and b.block_id in queued:
+                yield f"{pool.name} null block is queued"
+            elif not b.is_null and (b.block_id in queued) != (b.ref_cnt == 0):
+                yield (
+                    f"{pool.name} block {b.block_id} has ref count {b.ref_cnt} "
+                    f"and is {'' if b.block_id in queued else 'not '}queued"
+                )
+
+
+def pool_map(state: Engine) -> Iterator[str]:
+    for pool in _pools(state):
+        for key, ids in pool.cached.items():
+            if not ids:
+                yield f"{pool.name} key {key} maps to no block"
+            for block_id in ids:
+                b = pool.blocks[block_id]
+                if b.block_hash != key and key not in pool.secondary.get(block_id, set()):
+                    yield f"{pool.name} key {key} maps to block {block_id}, which does not hold it"
+        for block_id, keys in pool.secondary.items():
+            b = pool.blocks[block_id]
+            for key in keys:
+                if not pool.contain(key, block_id):
+                    yield f"{pool.name} secondary {key} of block {block_id} is not mapped"
+                if b.block_hash is None:
+                    yield f"{pool.name} block {block_id} has secondary {key} but no primary"
+                if key == b.block_hash:
+                    yield f"{pool.name} block {block_id} has {key} as primary and secondary"
+
+
+def pool_primary(state: Engine) -> Iterator[str]:
+    for pool in _pools(state):
+        for b in pool.blocks:
+            key = b.block_hash
+            if key is not None and b.ref_cnt == 0 and not pool.contain(key, b.block_id):
+                yield (
+                    f"{pool.name} block {b.block_id} is free with primary {b.block_hash}, "
+                    "which does not map to it: the block is unreachable"
+                )
+
+
+def pool_null(state: Engine) -> Iterator[str]:
+    for pool in _pools(state):
+        null = pool.null_block
+        if null.block_hash is not None or pool.secondary.get(0) or pool.keys_of(0):
+            yield f"{pool.name} null block holds a key"
+
+
+def pool_fresh(state: Engine) -> Iterator[str]:
+    for pool in _pools(state):
+        for r in pool.allocation_log:
+            if r.ref_cnt != 1 or r.block_hash is not None or r.secondary or r.mapped_keys:
+                yield f"{pool.name} block {r.block_id} was allocated unfresh: {r}"
+
+
+def ref_gpu(state: Engine) -> Iterator[str]:
+    holders: Counter[int] = Counter()
+    for groups in state.req_to_blocks.values():
+        for ids in groups:
+            holders.update(ids)
+    for t in [*_stores(state), *_loads(state)]:
+        holders.update(t.gpu_block_ids)
+    for b in state.gpu_pool.blocks[1:]:
+        if b.ref_cnt != holders[b.block_id]:
+            yield f"gpu block {b.block_id} has ref count {b.ref_cnt}, holders {holders[b.block_id]}"
+
+
+def ref_cpu(state: Engine) -> Iterator[str]:
+    holders: Counter[int] = Counter()
+    for hit in state.connector.pending_cpu_hits.values():
+        holders.update(b.block_id for g in hit.blocks for b in g if not b.is_null)
+    for t in [*_stores(state), *_loads(state)]:
+        holders.update(t.cpu_block_ids)
+    for b in state.connector.cpu_pool.blocks[1:]:
+        if b.ref_cnt != holders[b.block_id]:
+            yield f"cpu block {b.block_id} has ref count {b.ref_cnt}, holders {holders[b.block_id]}"
+
+
+def keys(state: Engine) -> Iterator[str]:
+    cfg = state.config
+    for req_id, groups in state.req_to_blocks.items():
+        req = state.requests[req_id]
+        for g, ids in enumerate(groups):
+            expected = block_keys(req.digests, g, cfg.group_block_sizes[g], cfg.hash_block_size)
+            for i in range(state.num_cached_blocks[req_id][g]):
+                b = state.gpu_pool.blocks[ids[i]]
+                if not b.is_null and b.block_hash != expected[i]:
+                    yield (
+                        f"gpu block {b.block_id} at {req_id} group {g} index {i} has key "
+                        f"{b.block_hash}, expected {expected[i]}"
+                    )
+
+
+def skip(state: Engine) -> Iterator[str]:
+    for sel in state.connector.selection_log:
+        for p in sel.picks:
+            if p.is_null or p.key is None or p.was_in_flight or p.was_in_cpu_map:
+                yield f"{sel.request_id} selected gpu block {p.gpu_block_id} against the rules: {p}"
+
+
+def capacity(state: Engine) -> Iterator[str]:
+    for sel in state.connector.selection_log:
+        if len(sel.picks) > sel.num_free:
+            yield (
+                f"{sel.request_id} selected {len(sel.picks)} blocks with "
+                f"{sel.num_free} CPU blocks free"
+            )
+
+
+def unreachable(state: Engine) -> Iterator[str]:
+    cpu = state.connector.cpu_pool
+    for t in _stores(state):
+        for block_id in t.cpu_block_ids:
+            mapped = cpu.keys_of(block_id)
+            if mapped:
+                yield f"cpu block {block_id} is mapped by {mapped} before its store completed"
+
+
+def registered(state: Engine) -> Iterator[str]:
+    cpu = state.connector.cpu_pool
+    for r in state.connector.completion_log:
+        c = cpu.blocks[r.cpu_block_id]
+        where = f"store event {r.event}: gpu block {r.gpu_block_id} -> cpu block {c.block_id}"
+        if r.primary is None or not cpu.contain(r.primary, c.block_id):
+            yield f"{where}: primary {r.primary} is not mapped to the cpu block"
+        if c.block_hash != r.primary or c.block_hash_num_tokens != r.num_tokens:
+            yield (
+                f"{where}: cpu block holds primary {c.block_hash} ({c.block_hash_num_tokens} "
+                f"tokens), expected {r.primary} ({r.num_tokens} tokens)"
+            )
+        for key in sorted(r.secondary - set(cpu.keys_of(c.block_id))):
+            yield f"{where}: secondary {key} is not mapped to the cpu block"
+        if c.ref_cnt != 0:
+            yield f"{where}: cpu block has ref count {c.ref_cnt} after completion"
+
+
+def pending(state: Engine) -> Iterator[str]:
+    c = state.connector
+    expected = bool(
+        c.pending_finished_stores or c.store_event_to_blocks or c.abandoned_store_event_to_blocks
+    )
+    if c.has_pending_stores() != expected:
+        yield f"has_pending_stores() is {c.has_pending_stores()}, expected {expected}"
+
+
+def in_flight(state: Engine) -> Iterator[str]:
+    c = state.connector
+    expected = {
+        i
+        for t in [*c.pending_finished_stores, *c.store_event_to_blocks.values()]
+        for i in t.gpu_block_ids
+    }
+    if c.in_flight_store_gpu_blocks != expected:
+        yield (
+            f"in-flight set {sorted(c.in_flight_store_gpu_blocks)}, queued and in-flight "
+            f"stores hold {sorted(expected)}"
+        )
+
+
+def reset(state: Engine) -> Iterator[str]:
+    c = state.connector
+    for r in c.reset_log:
+        if c.pending_finished_stores:
+            yield "a final flush is still queued after reset()"
+        if r.returned != (not r.abandoned and r.cpu_idle):
+            yield f"reset() returned {r.returned} with abandoned={r.abandoned}, idle={r.cpu_idle}"
+        if r.returned and (c.cpu_pool.cached or any(b.block_hash for b in c.cpu_pool.blocks)):
+            yield "reset() returned True but the CPU pool still holds keys"
+
+
+def events(state: Engine) -> Iterator[str]:
+    c = state.connector
+    for name, issued, counter in [
+        ("store", c.issued_store_events, c.store_event_counter),
+        ("load", c.issued_load_events, c.load_event_counter),
+    ]:
+        if issued != list(range(counter)):
+            yield f"{name} events issued {issued} with counter {counter}"
+    known = [
+        *c.store_event_to_blocks,
+        *c.abandoned_store_event_to_blocks,
+        *c.store_event_pending_counts,
+        *c.store_event_to_reqs,
+        *c.processed_store_events,
+    ]
+    for e in known:
+        if not 0 <= e < c.store_event_counter:
+            yield f"store event {e} was never issued"
+    loads = [*c.load_event_to_reqs]
+    loads += [
+        s.load_event
+        for s in [*c.reqs_to_load.values(), *c.abandoned_reqs_to_load.values()]
+        if s.load_event is not None
+    ]
+    for e in loads:
+        if not 0 <= e < c.load_event_counter:
+            yield f"load event {e} was never issued"
+    done = Counter(c.processed_store_events)
+    for e, n in done.items():
+        if n > 1:
+            yield f"store event {e} was processed {n} times"
+        if e in c.store_event_to_blocks or e in c.abandoned_store_event_to_blocks:
+            yield f"store event {e} was processed but is still outstanding"
+    for e, n in c.store_event_pending_counts.items():
+        if not 0 < n < c.expected_worker_count:
+            yield f"store event {e} has partial count {n} of {c.expected_worker_count}"
+
+
+def flush_complete(state: Engine) -> Iterator[str]:
+    for r in state.finish_records:
+        for g, n in enumerate(r.confirmed_blocks):
+            marks = r.dispositions[g] if g < len(r.dispositions) else {}
+            lost = [i for i in range(n) if i not in marks]
+            if lost:
+                yield (
+                    f"{r.request_id} finished with confirmed group {g} blocks {lost} "
+                    "never stored, skipped or dropped for capacity"
+                )
+
+
+def load_pinned(state: Engine) -> Iterator[str]:
+    c = state.connector
+    pinned = [b for hit in c.pending_cpu_hits.values() for g in hit.blocks for b in g]
+    pinned += [c.cpu_pool.blocks[i] for t in _loads(state) for i in t.cpu_block_ids]
+    for b in pinned:
+        if b.is_null:
+            continue
+        if b.ref_cnt < 1:
+            yield f"cpu block {b.block_id} is pinned for a load but has ref count {b.ref_cnt}"
+        if b.block_hash is None or not c.cpu_pool.contain(b.block_hash, b.block_id):
+            yield f"cpu block {b.block_id} is pinned for a load but not mapped by its primary"
+
+
+CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
+    "POOL-QUEUE": pool_queue,
+    "POOL-MAP": pool_map,
+    "POOL-PRIMARY": pool_primary,
+    "POOL-NULL": pool_null,
+    "POOL-FRESH": pool_fresh,
+    "REF-GPU": ref_gpu,
+    "REF-CPU": ref_cpu,
+    "KEYS": keys,
+    "SKIP": skip,
+    "CAPACITY": capacity,
+    "UNREACHABLE": unreachable,
+    "REGISTERED": registered,
+    "PENDING": pending,
+    "IN-FLIGHT": in_flight,
+    "RESET": reset,
+    "EVENTS": events,
+    "FLUSH-COMPLETE": flush_complete,
+    "LOAD-PINNED": load_pinned,
+}
+
+
+def violations(state: Engine) -> list[InvariantViolation]:
+    """Every violated invariant, in the order of ``CHECKS``."""
+    return [
+        InvariantViolation(invariant, detail)
+        for invariant, fn in CHECKS.items()
+        for detail in fn(state)
+    ]
+
+
+def check(state: Engine) -> None:
+    """Raise the first violation, naming its invariant ID; return None if all hold."""
+    found = violations(state)
+    if found:
+        raise found[0]

@@ -1,0 +1,569 @@
+"""The connector's scheduler side in eager mode: vLLM's ``SimpleCPUOffloadScheduler``
+as fixed by PR #53532 (vLLM 0.30.0 and later), reduced to full-attention groups.
+
+It owns the CPU pool and borrows the engine's GPU pool. Per step it selects newly
+confirmed GPU blocks of every scheduled request, reserves CPU blocks for them, pins the GPU
+blocks and sends one store event; at finish it queues a final flush that the next store
+event carries; completions register every key of the source GPU block on the CPU block.
+
+Invariants kept (checked by :mod:`kvoffload.model.invariants`):
+
+- SKIP: a selected GPU block is not null, has a primary key, is not in flight and its key
+  is not in the CPU map at selection.
+- CAPACITY: one selection never takes more blocks than the CPU pool has free at its start.
+- UNREACHABLE: the CPU block of a queued, in-flight or abandoned store holds no key in the
+  map before its store completes.
+- REGISTERED: a completed store registers the GPU block's primary (with its token count)
+  and every secondary key on the CPU block, which is then free at the queue tail.
+- PENDING: ``has_pending_stores()`` iff a flush is queued or a store is in flight or
+  abandoned.
+- IN-FLIGHT: the in-flight set is exactly the GPU blocks of queued flushes and in-flight
+  (not abandoned) store events.
+- RESET: after ``reset()`` no flush is queued; it returns True iff nothing was abandoned
+  and the CPU pool was fully free, and then the CPU map is empty.
+- EVENTS: event ids are below their counters, counters never go back, an event is
+  processed once, partial counts stay below ``world_size``.
+- FLUSH-COMPLETE: when a tracked request finishes, every block confirmed by then has a
+  disposition: stored, already present, in flight, null, unhashed, or dropped for capacity.
+- LOAD-PINNED: CPU blocks pinned by a lookup or a load are in use and registered.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from kvoffload.model.block_pool import Block, BlockPool
+from kvoffload.model.keys import BlockKey
+from kvoffload.model.lookup import find_longest_cache_hit
+from kvoffload.model.types import NO_EVENT, ConnectorMetadata
+
+if TYPE_CHECKING:
+    from kvoffload.model.config import OffloadConfig
+    from kvoffload.model.engine import Request, SchedulerOutput
+
+
+class Disposition(StrEnum):
+    """What the eager scan or the final flush decided for one confirmed GPU block."""
+
+    STORED = "stored"
+    PRESENT = "present"
+    IN_FLIGHT = "in_flight"
+    NULL = "null"
+    UNHASHED = "unhashed"
+    DROPPED_CAPACITY = "dropped_capacity"
+
+
+@dataclass
+class Transfer:
+    """GPU and CPU block ids of one store or load, pairwise."""
+
+    gpu_block_ids: list[int]
+    cpu_block_ids: list[int]
+
+
+@dataclass
+class LoadState:
+    request_id: str
+    transfer: Transfer
+    load_event: int | None = None
+    finished: bool = False
+
+
+@dataclass
+class StoreState:
+    request: Request
+    block_ids: tuple[list[int], ...]
+    num_stored_blocks: list[int]
+    store_events: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass
+class PendingHit:
+    blocks: tuple[list[Block], ...]
+    hit_length: int
+    num_computed_tokens: int
+
+
+# -- ghost records: observations the invariants check; they steer nothing ------------------
+
+
+@dataclass(frozen=True)
+class PickRecord:
+    """A GPU block a selection took, with the facts observed just before it was taken."""
+
+    gpu_block_id: int
+    is_null: bool
+    key: BlockKey | None
+    was_in_flight: bool
+    was_in_cpu_map: bool
+
+
+@dataclass(frozen=True)
+class SelectionRecord:
+    request_id: str
+    final_flush: bool
+    num_free: int
+    picks: tuple[PickRecord, ...]
+
+
+@dataclass(frozen=True)
+class CompletionRecord:
+    event: int
+    gpu_block_id: int
+    cpu_block_id: int
+    primary: BlockKey | None
+    num_tokens: int | None
+    secondary: frozenset[BlockKey]
+
+
+@dataclass(frozen=True)
+class ResetRecord:
+    returned: bool
+    abandoned: bool
+    cpu_idle: bool
+
+
+class OffloadScheduler:
+    """Eager CPU offloading for one engine. Method names follow vLLM's."""
+
+    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
+        self.config = config
+        self.block_size = config.scheduler_block_size
+        self.hash_block_size = config.hash_block_size
+        self.group_block_sizes = config.group_block_sizes
+        self.cpu_pool = BlockPool(config.cpu_blocks, "cpu")
+        self.gpu_pool = gpu_pool
+        self.expected_worker_count = config.world_size
+
+        self.reqs_to_load: dict[str, LoadState] = {}
+        self.load_event_to_reqs: dict[int, list[str]] = {}
+        self.pending_cpu_hits: dict[str, PendingHit] = {}
+        self.abandoned_reqs_to_load: dict[str, LoadState] = {}
+
+        self.store_event_to_blocks: dict[int, Transfer] = {}
+        self.abandoned_store_event_to_blocks: dict[int, Transfer] = {}
+        self.reqs_to_store: dict[str, StoreState] = {}
+        self.store_event_to_reqs: dict[int, list[str]] = {}
+        self.in_flight_store_gpu_blocks: set[int] = set()
+        self.pending_finished_stores: list[Transfer] = []
+
+        self.load_event_counter = 0
+        self.store_event_counter = 0
+        self.store_event_pending_counts: dict[int, int] = {}
+
+        # Ghost state for the invariants.
+        self.dispositions: dict[str, list[dict[int, Disposition]]] = {}
+        self.processed_store_events: list[int] = []
+        self.issued_store_events: list[int] = []
+        self.issued_load_events: list[int] = []
+        self.selection_log: list[SelectionRecord] = []
+        self.completion_log: list[CompletionRecord] = []
+        self.reset_log: list[ResetRecord] = []
+
+    # -- lookup and load ------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        """Tokens past ``num_computed_tokens`` the CPU pool can load; pins the hit blocks."""
+        stale = self.pending_cpu_hits.pop(request.request_id, None)
+        if stale is not None:
+            self._free_pending_cpu_hit(stale)
+        if num_computed_tokens % self.block_size != 0:
+            return 0, False
+        if len(request.digests) <= num_computed_tokens // self.hash_block_size:
+            return 0, False
+        # At least the last token is recomputed, to sample from it.
+        max_hit_len = request.num_tokens - 1 - num_computed_tokens
+        if max_hit_len <= 0:
+            return 0, False
+        blocks, hit = find_longest_cache_hit(
+            self.cpu_pool, request.digests, num_computed_tokens, max_hit_len, self.config
+        )
+        if hit <= 0:
+            return 0, False
+        self.cpu_pool.touch([b for group in blocks for b in group if not b.is_null])
+        self.pending_cpu_hits[request.request_id] = PendingHit(blocks, hit, num_computed_tokens)
+        return hit, True
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        req_id = request.request_id
+        if req_id not in self.reqs_to_store:
+            self.reqs_to_store[req_id] = StoreState(
+                request,
+                tuple([] for _ in block_ids),
+                [0] * len(block_ids),
+            )
+            self.dispositions[req_id] = [{} for _ in block_ids]
+        pending = self.pending_cpu_hits.pop(req_id, None)
+        if num_external_tokens == 0:
+            if pending is not None:
+                self._free_pending_cpu_hit(pending)
+            return
+        if pending is None:
+            return
+        gpu_ids: list[int] = []
+        cpu_blocks: list[Block] = []
+        for g, g_block_size in enumerate(self.group_block_sizes):
+            # Only the leading blocks the scheduler accepted are loaded.
+            taken = pending.blocks[g][: math.ceil(num_external_tokens / g_block_size)]
+            start = pending.num_computed_tokens // g_block_size
+            for i, cpu_block in enumerate(taken):
+                if cpu_block.is_null:
+                    continue
+                gpu_ids.append(block_ids[g][start + i])
+                cpu_blocks.append(cpu_block)
+        # Pin for the load before the lookup pin is dropped, so the net is +1.
+        self.cpu_pool.touch(cpu_blocks)
+        self._free_pending_cpu_hit(pending)
+        self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in gpu_ids])
+        assert req_id not in self.reqs_to_load
+        self.reqs_to_load[req_id] = LoadState(
+            req_id, Transfer(gpu_ids, [b.block_id for b in cpu_blocks])
+        )
+
+    def _free_pending_cpu_hit(self, pending: PendingHit) -> None:
+        self.cpu_pool.free_blocks([b for group in pending.blocks for b in group if not b.is_null])
+
+    # -- eager store selection --------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
+        # PR #53532: every queued final flush rides on this step's store event.
+        for transfer in self.pending_finished_stores:
+            store_gpu.extend(transfer.gpu_block_ids)
+            store_cpu.extend(transfer.cpu_block_ids)
+        self.pending_finished_stores.clear()
+        store_event = NO_EVENT
+        if store_gpu:
+            store_event = self.store_event_counter
+            self.store_event_counter += 1
+            self.issued_store_events.append(store_event)
+            self.store_event_to_blocks[store_event] = Transfer(store_gpu, store_cpu)
+            if store_req_ids:
+                self.store_event_to_reqs[store_event] = store_req_ids
+                for req_id in store_req_ids:
+                    self.reqs_to_store[req_id].store_events.add(store_event)
+
+        load_gpu: list[int] = []
+        load_cpu: list[int] = []
+        load_req_ids: list[str] = []
+        for req_id, load in self.reqs_to_load.items():
+            if load.load_event is None:
+                load_gpu.extend(load.transfer.gpu_block_ids)
+                load_cpu.extend(load.transfer.cpu_block_ids)
+                load_req_ids.append(req_id)
+        load_event = NO_EVENT
+        if load_req_ids:
+            load_event = self.load_event_counter
+            self.load_event_counter += 1
+            self.issued_load_events.append(load_event)
+            for req_id in load_req_ids:
+                self.reqs_to_load[req_id].load_event = load_event
+            self.load_event_to_reqs[load_event] = load_req_ids
+
+        return ConnectorMetadata(
+            store_event=store_event,
+            store_gpu_blocks=tuple(store_gpu),
+            store_cpu_blocks=tuple(store_cpu),
+            load_event=load_event,
+            load_gpu_blocks=tuple(load_gpu),
+            load_cpu_blocks=tuple(load_cpu),
+            load_event_to_reqs={e: tuple(r) for e, r in self.load_event_to_reqs.items()},
+        )
+
+    def _prepare_eager_store_specs(
+        self, scheduler_output: SchedulerOutput
+    ) -> tuple[list[int], list[int], list[str]]:
+        merged_gpu: list[int] = []
+        merged_cpu: list[int] = []
+        req_ids: list[str] = []
+        for req_id, new_block_ids in scheduler_output.req_data():
+            state = self.reqs_to_store.get(req_id)
+            if state is None or state.finished:
+                continue
+            for g, ids in enumerate(new_block_ids):
+                state.block_ids[g].extend(ids)
+            if scheduler_output.num_scheduled_tokens.get(req_id, 0) == 0:
+                continue
+            gpu_ids, advanced = self._select_eager_blocks_to_store(
+                state, state.block_ids, final_flush=False
+            )
+            if gpu_ids:
+                cpu_blocks = self.allocate_store_destinations(gpu_ids)
+                req_ids.append(req_id)
+                merged_gpu.extend(gpu_ids)
+                merged_cpu.extend(b.block_id for b in cpu_blocks)
+                self.in_flight_store_gpu_blocks.update(gpu_ids)
+                self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in gpu_ids])
+            for g, n in enumerate(advanced):
+                state.num_stored_blocks[g] += n
+        return merged_gpu, merged_cpu, req_ids
+
+    def allocate_store_destinations(self, gpu_ids: list[int]) -> list[Block]:
+        """Reserve one CPU block per selected GPU block. Fixed code does not stamp them."""
+        return self.cpu_pool.get_new_blocks(len(gpu_ids))
+
+    def _classify(self, block: Block) -> Disposition | None:
+        """Why the scan passes over this block, or None when it may be stored."""
+        if block.is_null:
+            return Disposition.NULL
+        if block.block_hash is None:
+            return Disposition.UNHASHED
+        if block.block_id in self.in_flight_store_gpu_blocks:
+            return Disposition.IN_FLIGHT
+        if self.cpu_pool.get_one_block(block.block_hash) is not None:
+            return Disposition.PRESENT
+        return None
+
+    def _select_eager_blocks_to_store(
+        self, state: StoreState, block_ids: tuple[list[int], ...], final_flush: bool
+    ) -> tuple[list[int], list[int]]:
+        """Confirmed blocks to store from each group's cursor on, and the cursor advances.
+
+        Shared by the per-step scan and the final flush (PR #53532). When the final flush
+        stops for capacity, the blocks it did not reach are recorded as dropped.
+        """
+        request = state.request
+        aligned = request.num_computed_tokens // self.block_size * self.block_size
+        num_free = self.cpu_pool.num_free_blocks
+        selected: list[int] = []
+        picks: list[PickRecord] = []
+        advanced = [0] * len(block_ids)
+        marks = self.dispositions[request.request_id]
+        full = False
+        for g, ids in enumerate(block_ids):
+            if len(selected) >= num_free:
+                full = True
+                break
+            ready = min(len(ids), aligned // self.group_block_sizes[g])
+            for i in range(state.num_stored_blocks[g], ready):
+                block = self.gpu_pool.blocks[ids[i]]
+                reason = self._classify(block)
+                if reason is not None:
+                    marks[g].setdefault(i, reason)
+                    advanced[g] += 1
+                    continue
+                if len(selected) >= num_free:
+                    full = True
+                    break
+                picks.append(self._observe(block))
+                selected.append(block.block_id)
+                marks[g][i] = Disposition.STORED
+                advanced[g] += 1
+        if final_flush and full:
+            for g, ids in enumerate(block_ids):
+                ready = min(len(ids), aligned // self.group_block_sizes[g])
+                for i in range(ready):
+                    marks[g].setdefault(i, Disposition.DROPPED_CAPACITY)
+        self.selection_log.append(
+            SelectionRecord(request.request_id, final_flush, num_free, tuple(picks))
+        )
+        return selected, advanced
+
+    def _observe(self, block: Block) -> PickRecord:
+        key = block.block_hash
+        return PickRecord(
+            block.block_id,
+            block.is_null,
+            key,
+            block.block_id in self.in_flight_store_gpu_blocks,
+            key is not None and key in self.cpu_pool.cached,
+        )
+
+    # -- completions ------------------------------------------------------------------------
+
+    def update_connector_output(
+        self, finished_recving: set[str], completed_store_events: dict[int, int]
+    ) -> None:
+        for req_id in sorted(finished_recving):
+            self._cleanup_load_request(req_id)
+        for event, count in completed_store_events.items():
+            total = self.store_event_pending_counts.get(event, 0) + count
+            if total >= self.expected_worker_count:
+                self.store_event_pending_counts.pop(event, None)
+                self._process_store_event(event)
+            else:
+                self.store_event_pending_counts[event] = total
+
+    def _process_store_event(self, event: int) -> None:
+        transfer = self.store_event_to_blocks.pop(event, None)
+        if transfer is None:
+            transfer = self.abandoned_store_event_to_blocks.pop(event, None)
+            if transfer is None:
+                return  # stale: from before a reset, already released
+            self.processed_store_events.append(event)
+            self._release_transfer_refs(transfer)
+            return
+        self.processed_store_events.append(event)
+        self.in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
+        self._process_store_completion(event, transfer)
+        for req_id in self.store_event_to_reqs.pop(event, []):
+            state = self.reqs_to_store.get(req_id)
+            if state is None:
+                continue
+            state.store_events.discard(event)
+            if state.finished and not state.store_events:
+                self._cleanup_store_request(req_id)
+
+    def _process_store_completion(self, event: int, transfer: Transfer) -> None:
+        cpu_blocks = [self.cpu_pool.blocks[i] for i in transfer.cpu_block_ids]
+        for gpu_id, cpu_block in zip(transfer.gpu_block_ids, cpu_blocks, strict=True):
+            gpu_block = self.gpu_pool.blocks[gpu_id]
+            self.completion_log.append(
+                CompletionRecord(
+                    event,
+                    gpu_id,
+                    cpu_block.block_id,
+                    gpu_block.block_hash,
+                    gpu_block.block_hash_num_tokens,
+                    frozenset(self.gpu_pool.secondary.get(gpu_id, set())),
+                )
+            )
+            self.register_stored_block(gpu_block, cpu_block)
+        self.cpu_pool.free_blocks(cpu_blocks)
+        self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in transfer.gpu_block_ids])
+
+    def register_stored_block(self, gpu_block: Block, cpu_block: Block) -> None:
+        """Register the GPU block's primary, then its secondary keys, on the CPU block."""
+        primary = gpu_block.block_hash
+        assert primary is not None, f"stored GPU block {gpu_block.block_id} lost its key"
+        self.cpu_pool.insert_block_hash(primary, cpu_block, gpu_block.block_hash_num_tokens)
+        for key in sorted(self.gpu_pool.secondary.get(gpu_block.block_id, set())):
+            self.cpu_pool.insert_block_hash(key, cpu_block, None)
+
+    def _release_transfer_refs(self, transfer: Transfer) -> None:
+        """Drop a transfer's pins without making its data reachable."""
+        self.cpu_pool.free_blocks([self.cpu_pool.blocks[i] for i in transfer.cpu_block_ids])
+        self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in transfer.gpu_block_ids])
+
+    def load_event_to_reqs_for(self, event: int) -> tuple[str, ...]:
+        """The requests a worker reports as loaded when ``event`` completes."""
+        return tuple(self.load_event_to_reqs.get(event, ()))
+
+    def has_pending_stores(self) -> bool:
+        return bool(
+            self.pending_finished_stores
+            or self.store_event_to_blocks
+            or self.abandoned_store_event_to_blocks
+        )
+
+    # -- finish -----------------------------------------------------------------------------
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> Transfer | None:
+        """The finish hook; returns the final-flush transfer it queued, if any."""
+        flushed = self._queue_finished_eager_store(request, block_ids)
+        self.request_finished(request)
+        return flushed
+
+    def _queue_finished_eager_store(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> Transfer | None:
+        """PR #53532: queue the confirmed blocks no scan has reached (the final flush)."""
+        state = self.reqs_to_store.get(request.request_id)
+        if state is None:
+            return None
+        gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids, final_flush=True)
+        if not gpu_ids:
+            return None
+        cpu_blocks = self.allocate_store_destinations(gpu_ids)
+        transfer = Transfer(gpu_ids, [b.block_id for b in cpu_blocks])
+        self.pending_finished_stores.append(transfer)
+        self.in_flight_store_gpu_blocks.update(gpu_ids)
+        # Pinned before the engine frees the request's own refs.
+        self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in gpu_ids])
+        return transfer
+
+    def request_finished(self, request: Request) -> None:
+        req_id = request.request_id
+        pending = self.pending_cpu_hits.pop(req_id, None)
+        if pending is not None:
+            self._free_pending_cpu_hit(pending)
+        load = self.reqs_to_load.get(req_id)
+        if load is not None:
+            if load.load_event is not None:
+                load.finished = True  # cleaned up when the load completes
+            else:
+                self._cleanup_load_request(req_id)
+        state = self.reqs_to_store.get(req_id)
+        if state is not None:
+            if state.store_events:
+                state.finished = True  # cleaned up when its last store completes
+            else:
+                self._cleanup_store_request(req_id)
+
+    def _cleanup_load_request(self, req_id: str) -> None:
+        load = self.reqs_to_load.pop(req_id, None)
+        if load is None:
+            load = self.abandoned_reqs_to_load.pop(req_id, None)
+        if load is None:
+            return
+        if load.load_event is not None:
+            reqs = self.load_event_to_reqs.get(load.load_event)
+            if reqs is not None:
+                if req_id in reqs:
+                    reqs.remove(req_id)
+                if not reqs:
+                    del self.load_event_to_reqs[load.load_event]
+        self.cpu_pool.free_blocks([self.cpu_pool.blocks[i] for i in load.transfer.cpu_block_ids])
+        self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in load.transfer.gpu_block_ids])
+
+    def _cleanup_store_request(self, req_id: str) -> None:
+        state = self.reqs_to_store.pop(req_id, None)
+        if state is None:
+            return
+        for event in sorted(state.store_events):
+            reqs = self.store_event_to_reqs.get(event)
+            if reqs is not None:
+                if req_id in reqs:
+                    reqs.remove(req_id)
+                if not reqs:
+                    del self.store_event_to_reqs[event]
+        state.store_events.clear()
+
+    # -- reset ------------------------------------------------------------------------------
+
+    def reset(self) -> bool:
+        """Abandon transfers in flight, release queued ones, and clear the CPU cache if safe."""
+        self.abandoned_store_event_to_blocks.update(self.store_event_to_blocks)
+        # PR #53532: queued flushes were never sent, so no copy can be running.
+        for transfer in self.pending_finished_stores:
+            self._release_transfer_refs(transfer)
+        self.pending_finished_stores.clear()
+        self.store_event_to_blocks.clear()
+        self.in_flight_store_gpu_blocks.clear()
+        for req_id in list(self.reqs_to_load):
+            load = self.reqs_to_load[req_id]
+            if load.load_event is None:
+                self._cleanup_load_request(req_id)
+            else:
+                self.abandoned_reqs_to_load[req_id] = self.reqs_to_load.pop(req_id)
+        self.reqs_to_store.clear()
+        self.store_event_to_reqs.clear()
+        self.dispositions.clear()
+        self.store_event_pending_counts = {
+            e: c
+            for e, c in self.store_event_pending_counts.items()
+            if e in self.abandoned_store_event_to_blocks
+        }
+        abandoned = bool(self.abandoned_store_event_to_blocks or self.abandoned_reqs_to_load)
+        cpu_idle = self.cpu_pool.num_free_blocks == len(self.cpu_pool.blocks) - 1
+        returned = False if abandoned else self.cpu_pool.reset_prefix_cache()
+        self.reset_log.append(ResetRecord(returned, abandoned, cpu_idle))
+        return returned
+
+    def clear_logs(self) -> None:
+        """Forget the ghost records of the previous driver call."""
+        self.selection_log.clear()
+        self.completion_log.clear()
+        self.reset_log.clear()
+        self.cpu_pool.allocation_log.clear()
+        self.gpu_pool.allocation_log.clear()

@@ -1,0 +1,1 @@
+"""kvoffload.proofs: z3 proofs and CrossHair contracts of the model (to come; see the issues)."""

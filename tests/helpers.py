@@ -1,0 +1,48 @@
+"""Small helpers shared by the scenario tests."""
+
+from __future__ import annotations
+
+from kvoffload.model import OffloadConfig, OffloadModel
+
+
+def make(
+    gpu_blocks: int = 32,
+    cpu_blocks: int = 16,
+    group_block_sizes: tuple[int, ...] = (16,),
+    hash_block_size: int | None = None,
+    world_size: int = 1,
+    variant: str = "fixed",
+) -> OffloadModel:
+    """A model that checks every invariant after every call."""
+    config = OffloadConfig(
+        gpu_blocks=gpu_blocks,
+        cpu_blocks=cpu_blocks,
+        group_block_sizes=group_block_sizes,
+        hash_block_size=hash_block_size or min(group_block_sizes),
+        world_size=world_size,
+    )
+    return OffloadModel(config, variant=variant, check=True)
+
+
+def complete_all_stores(model: OffloadModel) -> list[int]:
+    """Every worker completes every store event in flight; returns the events."""
+    events = [v.event for v in model.snapshot().store_events if v.event is not None]
+    for event in events:
+        for worker in range(model.config.world_size):
+            model.complete_store(event, worker)
+    return events
+
+
+def drain(model: OffloadModel) -> None:
+    """Submit queued flushes and complete every store until none is pending."""
+    for _ in range(10):
+        if not model.has_pending_stores():
+            return
+        model.step(0)
+        complete_all_stores(model)
+    raise AssertionError("stores still pending after 10 steps")
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    """A deterministic prompt of ``n`` tokens; different seeds give different prompts."""
+    return [(seed * 7 + i * 3) % 11 + 1 for i in range(n)]

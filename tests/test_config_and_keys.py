@@ -1,0 +1,55 @@
+"""Configuration validation and chained keys."""
+
+from __future__ import annotations
+
+import pytest
+from kvoffload.model import ConfigError, OffloadConfig
+from kvoffload.model.keys import BlockKey, block_keys, fine_key, prefix_digests
+
+
+def test_scheduler_block_size_is_the_lcm_of_group_sizes() -> None:
+    config = OffloadConfig(gpu_blocks=8, cpu_blocks=4, group_block_sizes=(4, 6), hash_block_size=2)
+    assert config.scheduler_block_size == 12
+    assert config.num_groups == 2
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"gpu_blocks": 0}, "gpu_blocks must be > 0"),
+        ({"cpu_blocks": -1}, "cpu_blocks must be > 0"),
+        ({"world_size": 0}, "world_size must be > 0"),
+        ({"hash_block_size": 0}, "hash_block_size must be > 0"),
+        ({"group_block_sizes": ()}, "non-empty tuple"),
+        ({"group_block_sizes": (16, 0)}, r"group_block_sizes\[1\] must be > 0"),
+        ({"group_block_sizes": (16, 12), "hash_block_size": 8}, "does not divide group 1"),
+        ({"gpu_blocks": 2.5}, "must be an int"),
+        ({"gpu_blocks": True}, "must be an int"),
+    ],
+)
+def test_bad_config_is_rejected_with_a_clear_message(
+    kwargs: dict[str, object], message: str
+) -> None:
+    base: dict[str, object] = {"gpu_blocks": 8, "cpu_blocks": 4}
+    with pytest.raises(ConfigError, match=message):
+        OffloadConfig(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_equal_prefixes_give_equal_keys_and_groups_do_not_share_keys() -> None:
+    a = prefix_digests([1, 2, 3, 4, 5, 6, 7, 8], 4)
+    b = prefix_digests([1, 2, 3, 4, 9, 9, 9, 9], 4)
+    assert a[0] == b[0] and a[1] != b[1]
+    assert block_keys(a, 0, 4, 4)[0] != block_keys(a, 1, 4, 4)[0]
+
+
+def test_only_full_hash_blocks_are_hashed() -> None:
+    assert len(prefix_digests([1, 2, 3, 4, 5], 2)) == 2
+
+
+def test_a_block_key_is_the_fine_key_at_the_block_end() -> None:
+    digests = prefix_digests(list(range(16)), 2)
+    keys = block_keys(digests, 0, 8, 2)
+    assert keys == [fine_key(digests, 3, 0, 2), fine_key(digests, 7, 0, 2)]
+    assert keys[1] == BlockKey(0, 16, digests[7])
+    # A boundary inside a block is a different key.
+    assert fine_key(digests, 2, 0, 2) not in keys

@@ -1,0 +1,80 @@
+"""Bad input gets a typed exception naming the problem and leaves the state unchanged."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from helpers import make, prompt
+from kvoffload.model import (
+    ConfigError,
+    DuplicateCompletionError,
+    DuplicateRequestError,
+    InvalidArgumentError,
+    KVOffloadError,
+    OffloadConfig,
+    OffloadModel,
+    RequestFinishedError,
+    UnknownEventError,
+    UnknownRequestError,
+)
+
+
+def _busy_model() -> OffloadModel:
+    """A model with a finished request, a running one, and a store event in flight."""
+    model = make(world_size=2)
+    model.add_request("done", prompt(33, 1), max_tokens=1)
+    model.add_request("live", prompt(40, 2), max_tokens=5)
+    model.step(80)
+    model.step(8)
+    model.complete_store(0, worker=0)
+    return model
+
+
+CASES: list[tuple[Callable[[OffloadModel], object], type[KVOffloadError], str]] = [
+    (lambda m: m.add_request("live", [1]), DuplicateRequestError, "'live' already exists"),
+    (lambda m: m.add_request("", [1]), InvalidArgumentError, "non-empty str"),
+    (lambda m: m.add_request("x", []), InvalidArgumentError, "non-empty sequence"),
+    (lambda m: m.add_request("x", [1, -2]), InvalidArgumentError, "token id must be >= 0"),
+    (lambda m: m.add_request("x", "abc"), InvalidArgumentError, "sequence of ints"),  # type: ignore[arg-type]
+    (lambda m: m.add_request("x", [1], max_tokens=0), InvalidArgumentError, "max_tokens"),
+    (lambda m: m.step(-1), InvalidArgumentError, "token_budget must be >= 0"),
+    (lambda m: m.finish("nope"), UnknownRequestError, "unknown request 'nope'"),
+    (lambda m: m.finish("done"), RequestFinishedError, "'done' has already finished"),
+    (lambda m: m.complete_store(99), UnknownEventError, "store event 99 was never issued"),
+    (lambda m: m.complete_store(0, worker=0), DuplicateCompletionError, "already reported"),
+    (lambda m: m.complete_store(0, worker=2), InvalidArgumentError, "out of range"),
+    (lambda m: m.complete_store(-1), InvalidArgumentError, "event must be >= 0"),
+    (lambda m: m.complete_load(0), UnknownEventError, "load event 0 was never issued"),
+    (lambda m: m.lookup([]), InvalidArgumentError, "non-empty sequence"),
+]
+
+
+@pytest.mark.parametrize(("call", "error", "message"), CASES)
+def test_bad_input_raises_and_leaves_state_unchanged(
+    call: Callable[[OffloadModel], object], error: type[KVOffloadError], message: str
+) -> None:
+    model = _busy_model()
+    before = model.snapshot()
+    with pytest.raises(error, match=message):
+        call(model)
+    assert model.snapshot() == before
+    model.check()
+
+
+def test_an_unknown_variant_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="unknown variant 'nope'"):
+        OffloadModel(OffloadConfig(gpu_blocks=4, cpu_blocks=4), variant="nope")
+
+
+def test_errors_share_one_base_and_the_usual_builtin_bases() -> None:
+    assert issubclass(UnknownRequestError, LookupError)
+    assert issubclass(ConfigError, ValueError)
+    assert all(issubclass(e, KVOffloadError) for _, e, _ in CASES)
+
+
+def test_a_request_larger_than_the_gpu_pool_is_rejected() -> None:
+    model = make(gpu_blocks=4, group_block_sizes=(4,))
+    with pytest.raises(InvalidArgumentError, match=r"needs 4 GPU blocks .* the GPU pool has 3"):
+        model.add_request("big", prompt(13), max_tokens=1)
+    assert model.live_requests() == []

@@ -1,0 +1,147 @@
+"""Every invariant can fail: each test breaks one on purpose and ``check`` names it.
+
+A check that cannot fail proves nothing, so each ID in ``CHECKS`` has a corruption here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+from helpers import drain, make, prompt
+from kvoffload.model import CHECKS, InvariantViolation, OffloadModel, check, violations
+from kvoffload.model.block_pool import FreshRecord
+from kvoffload.model.engine import FinishRecord
+from kvoffload.model.keys import BlockKey
+from kvoffload.model.offload import CompletionRecord, PickRecord, ResetRecord, SelectionRecord
+
+ALIEN = BlockKey(0, 999, "f" * 16)
+
+
+def busy() -> OffloadModel:
+    """A state with every kind of holder: a load in flight, a store in flight, a queued
+    final flush, running and finished requests."""
+    model = make(gpu_blocks=10, cpu_blocks=16)
+    tokens = prompt(40)
+    model.add_request("a", tokens, max_tokens=1)
+    model.step(64)
+    drain(model)
+    model.add_request("filler", prompt(144, 5), max_tokens=1)
+    model.step(160)
+    drain(model)
+    model.add_request("b", tokens, max_tokens=2)  # loads a's 32 tokens
+    model.add_request("c", prompt(40, 7), max_tokens=9)
+    model.step(16)
+    model.step(40)  # c's first blocks are now in a store event in flight
+    model.add_request("d", prompt(33, 8), max_tokens=1)
+    model.step(64)  # d finishes: its flush is queued
+    snap = model.snapshot()
+    assert snap.loads and snap.store_events and snap.pending_flushes
+    return model
+
+
+def _free_hashed_cpu_block(m: OffloadModel) -> int:
+    cpu = m.engine.connector.cpu_pool
+    return next(b.block_id for b in cpu.blocks if b.ref_cnt == 0 and b.block_hash is not None)
+
+
+def _break_pool_primary(m: OffloadModel) -> None:
+    cpu = m.engine.connector.cpu_pool
+    block = cpu.blocks[_free_hashed_cpu_block(m)]
+    assert block.block_hash is not None
+    del cpu.cached[block.block_hash]
+
+
+def _break_keys(m: OffloadModel) -> None:
+    ids = m.engine.req_to_blocks["c"][0]
+    m.engine.gpu_pool.blocks[ids[0]].block_hash = ALIEN
+
+
+def _break_unreachable(m: OffloadModel) -> None:
+    c = m.engine.connector
+    dest = next(iter(c.store_event_to_blocks.values())).cpu_block_ids[0]
+    c.cpu_pool.cached[ALIEN] = [dest]
+
+
+def _break_load_pinned(m: OffloadModel) -> None:
+    c = m.engine.connector
+    block = c.cpu_pool.blocks[c.reqs_to_load["b"].transfer.cpu_block_ids[0]]
+    assert block.block_hash is not None
+    del c.cpu_pool.cached[block.block_hash]
+
+
+def _break_in_flight(m: OffloadModel) -> None:
+    in_flight = m.engine.connector.in_flight_store_gpu_blocks
+    in_flight.add(next(i for i in range(1, m.config.gpu_blocks) if i not in in_flight))
+
+
+def _break_pending(m: OffloadModel) -> None:
+    m.engine.connector.has_pending_stores = lambda: False  # type: ignore[method-assign]
+
+
+BREAKS: dict[str, Callable[[OffloadModel], None]] = {
+    "POOL-QUEUE": lambda m: m.engine.gpu_pool.free_queue.append(m.engine.gpu_pool.free_queue[0]),
+    "POOL-MAP": lambda m: m.engine.connector.cpu_pool.cached.__setitem__(ALIEN, [1]),
+    "POOL-PRIMARY": _break_pool_primary,
+    "POOL-NULL": lambda m: setattr(m.engine.gpu_pool.null_block, "block_hash", ALIEN),
+    "POOL-FRESH": lambda m: m.engine.gpu_pool.allocation_log.append(
+        FreshRecord(3, 2, None, frozenset(), frozenset())
+    ),
+    "REF-GPU": lambda m: setattr(
+        m.engine.gpu_pool.blocks[m.engine.req_to_blocks["c"][0][0]], "ref_cnt", 7
+    ),
+    "REF-CPU": lambda m: setattr(
+        m.engine.connector.cpu_pool.blocks[
+            m.engine.connector.reqs_to_load["b"].transfer.cpu_block_ids[0]
+        ],
+        "ref_cnt",
+        5,
+    ),
+    "KEYS": _break_keys,
+    "SKIP": lambda m: m.engine.connector.selection_log.append(
+        SelectionRecord("c", False, 4, (PickRecord(3, False, ALIEN, False, True),))
+    ),
+    "CAPACITY": lambda m: m.engine.connector.selection_log.append(
+        SelectionRecord(
+            "c",
+            False,
+            1,
+            (PickRecord(3, False, ALIEN, False, False), PickRecord(4, False, ALIEN, False, False)),
+        )
+    ),
+    "UNREACHABLE": _break_unreachable,
+    "REGISTERED": lambda m: m.engine.connector.completion_log.append(
+        CompletionRecord(0, 1, _free_hashed_cpu_block(m), ALIEN, 999, frozenset())
+    ),
+    "PENDING": _break_pending,
+    "IN-FLIGHT": _break_in_flight,
+    "RESET": lambda m: m.engine.connector.reset_log.append(ResetRecord(True, True, True)),
+    "EVENTS": lambda m: m.engine.connector.processed_store_events.extend([0, 0]),
+    "FLUSH-COMPLETE": lambda m: m.engine.finish_records.append(
+        FinishRecord("x", (3,), ({0: "stored"},))  # type: ignore[dict-item]
+    ),
+    "LOAD-PINNED": _break_load_pinned,
+}
+
+
+def test_every_invariant_has_a_corruption() -> None:
+    assert set(BREAKS) == set(CHECKS)
+
+
+def test_the_busy_state_satisfies_every_invariant() -> None:
+    model = busy()
+    model.engine.connector.clear_logs()
+    check(model.engine)
+
+
+@pytest.mark.parametrize("invariant", sorted(CHECKS))
+def test_breaking_an_invariant_is_reported_under_its_id(invariant: str) -> None:
+    model = busy()
+    model.engine.connector.clear_logs()
+    BREAKS[invariant](model)
+    found = {v.invariant for v in violations(model.engine)}
+    assert invariant in found
+    with pytest.raises(InvariantViolation) as caught:
+        check(model.engine)
+    assert caught.value.invariant in found
+    assert str(caught.value).startswith(caught.value.invariant + ": ")
