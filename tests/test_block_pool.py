@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvoffload.model.block_pool import BlockPool
 from kvoffload.model.keys import BlockKey
 

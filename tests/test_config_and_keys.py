@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvoffload.model import ConfigError, OffloadConfig
 from kvoffload.model.keys import BlockKey, block_keys, fine_key, prefix_digests
 

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from helpers import complete_all_stores, drain, make, prompt
 from kvoffload.model.keys import block_keys, fine_key, prefix_digests
+
+from helpers import complete_all_stores, drain, make, prompt
 
 
 def test_chunked_prefill_then_one_token_decode_steps_then_finish() -> None:

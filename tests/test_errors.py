@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from helpers import make, prompt
+
 from kvoffload.model import (
     ConfigError,
     DuplicateCompletionError,
@@ -18,6 +18,8 @@ from kvoffload.model import (
     UnknownEventError,
     UnknownRequestError,
 )
+
+from helpers import make, prompt
 
 
 def _busy_model() -> OffloadModel:

@@ -8,12 +8,14 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import pytest
-from helpers import drain, make, prompt
+
 from kvoffload.model import CHECKS, InvariantViolation, OffloadModel, check, violations
 from kvoffload.model.block_pool import FreshRecord
 from kvoffload.model.engine import FinishRecord
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.offload import CompletionRecord, PickRecord, ResetRecord, SelectionRecord
+
+from helpers import drain, make, prompt
 
 ALIEN = BlockKey(0, 999, "f" * 16)
 

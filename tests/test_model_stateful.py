@@ -12,6 +12,7 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
+
 from kvoffload.model import OffloadConfig, OffloadModel
 
 LAYOUTS = [((4,), 4), ((4,), 2), ((8,), 4), ((4, 8), 4), ((4, 8), 2)]

@@ -5,10 +5,12 @@ call (``helpers.make``)."""
 from __future__ import annotations
 
 import pytest
-from helpers import complete_all_stores, drain, make, prompt
+
 from kvoffload.model import NO_EVENT, DuplicateCompletionError
 from kvoffload.model.keys import block_keys, fine_key, prefix_digests
 from kvoffload.model.offload import Disposition
+
+from helpers import complete_all_stores, drain, make, prompt
 
 
 def test_a_block_is_stored_one_step_after_it_is_computed() -> None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from helpers import complete_all_stores, make, prompt
 from kvoffload.model import violations
+
+from helpers import complete_all_stores, make, prompt
 
 
 def _ids(model: object) -> set[str]:
