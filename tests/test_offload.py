@@ -320,3 +320,17 @@ def test_several_groups_store_and_hit_at_the_scheduler_block_size() -> None:
     assert model.lookup(tokens[:13]) == 8  # 12 tokens hit in group 0, aligned down to 8
     groups = {b.primary.group for b in model.snapshot().cpu.blocks if b.primary is not None}
     assert groups == {0, 1}
+
+
+def test_a_stale_store_completion_is_ignored_by_the_scheduler() -> None:
+    """vLLM ignores completions of events in neither map (from before a reset); the driver
+    rejects them earlier, so this drives the scheduler directly."""
+    model = make()
+    model.add_request("r", prompt(33), max_tokens=1)
+    model.step(64)
+    model.step(0)
+    model.complete_store(0)
+    before = model.snapshot()
+    model.engine.connector.update_connector_output(set(), {0: 1})
+    assert model.snapshot() == before
+    assert model.engine.connector.processed_store_events == [0]
