@@ -15,6 +15,8 @@ venv: $(VENV)/.ready
 $(VENV)/.ready: $(SOURCES)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip "setuptools>=68"
+	# torch pinned, so that a fresh machine takes the CPU build it has on disk.
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
 	$(BIN)/python -m pip install -q --no-build-isolation -e ".[test]" \
 		--config-settings editable_mode=strict
 	touch $@

@@ -10,6 +10,7 @@ from kvoffload.model.config import OffloadConfig
 from kvoffload.model.driver import OffloadModel
 from kvoffload.model.errors import (
     ConfigError,
+    DataIntegrityError,
     DuplicateCompletionError,
     DuplicateRequestError,
     InvalidArgumentError,
@@ -32,6 +33,7 @@ __all__ = [
     "BlockKey",
     "ConfigError",
     "ConnectorMetadata",
+    "DataIntegrityError",
     "DuplicateCompletionError",
     "DuplicateRequestError",
     "FinishResult",

@@ -14,11 +14,9 @@ from kvoffload.model.config import OffloadConfig
 from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import (
     ConfigError,
-    DuplicateCompletionError,
     DuplicateRequestError,
     InvalidArgumentError,
     RequestFinishedError,
-    UnknownEventError,
     UnknownRequestError,
 )
 from kvoffload.model.invariants import check
@@ -27,23 +25,13 @@ from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.observe import take_snapshot
 from kvoffload.model.snapshot import Snapshot
 from kvoffload.model.types import FinishResult, StepResult
+from kvoffload.model.validate import (
+    require_completion,
+    require_int,
+    require_request_fits,
+    require_tokens,
+)
 from kvoffload.model.variants import VARIANTS
-
-
-def _require_int(name: str, value: object, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
-    return value
-
-
-def _require_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not tokens:
-        raise InvalidArgumentError(f"tokens must be a non-empty sequence of ints, got {tokens!r}")
-    for t in tokens:
-        _require_int("token id", t, 0)
-    return tuple(tokens)
 
 
 class OffloadModel:
@@ -63,30 +51,17 @@ class OffloadModel:
 
     def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
         """Queue a request; it decodes ``max_tokens`` tokens after its prompt, then finishes."""
-        if not isinstance(request_id, str) or not request_id:
-            raise InvalidArgumentError(f"request id must be a non-empty str, got {request_id!r}")
+        tokens = require_tokens(prompt)
+        require_request_fits(self.config, request_id, tokens, max_tokens)
         if request_id in self.engine.requests:
             raise DuplicateRequestError(f"request {request_id!r} already exists")
-        tokens = _require_tokens(prompt)
-        _require_int("max_tokens", max_tokens, 1)
-        # As vLLM's max_model_len check: a request must fit in the GPU pool on its own. The
-        # last sampled token is never computed, so it needs no slot.
-        need = sum(
-            -(-(len(tokens) + max_tokens - 1) // size) for size in self.config.group_block_sizes
-        )
-        if need > self.config.gpu_blocks - 1:
-            raise InvalidArgumentError(
-                f"request {request_id!r} needs {need} GPU blocks for {len(tokens)} prompt and "
-                f"{max_tokens - 1} computed output tokens; the GPU pool has "
-                f"{self.config.gpu_blocks - 1}"
-            )
         self._begin()
         self.engine.add_request(request_id, tokens, max_tokens)
         self._end()
 
     def step(self, token_budget: int) -> StepResult:
         """One engine step with at most ``token_budget`` tokens computed."""
-        _require_int("token_budget", token_budget, 0)
+        require_int("token_budget", token_budget, 0)
         self._begin()
         result = self.engine.step(token_budget)
         self._end()
@@ -130,7 +105,7 @@ class OffloadModel:
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """Tokens of a prompt the CPU pool would serve now (read-only: pins nothing)."""
-        prompt = _require_tokens(tokens)
+        prompt = require_tokens(tokens)
         digests = prefix_digests(prompt, self.config.hash_block_size)
         _, hit = find_longest_cache_hit(
             self.engine.connector.cpu_pool, digests, 0, len(prompt) - 1, self.config
@@ -187,18 +162,8 @@ class OffloadModel:
     def _completion(
         self, kind: str, event: int, worker: int, counter: int, table: dict[int, set[int]]
     ) -> set[int]:
-        _require_int("event", event, 0)
-        _require_int("worker", worker, 0)
-        if worker >= self.config.world_size:
-            raise InvalidArgumentError(
-                f"worker {worker} is out of range for world_size {self.config.world_size}"
-            )
-        if event >= counter:
-            raise UnknownEventError(f"{kind} event {event} was never issued (next is {counter})")
-        reports = table.get(event, set())
-        if worker in reports:
-            raise DuplicateCompletionError(f"worker {worker} already reported {kind} event {event}")
-        table[event] = reports
+        require_completion(self.config, kind, event, worker, counter, table.get(event, set()))
+        reports = table.setdefault(event, set())
         return reports
 
     def _begin(self) -> None:

@@ -62,3 +62,7 @@ class InvariantViolation(KVOffloadError, AssertionError):
         super().__init__(f"{invariant}: {detail}")
         self.invariant = invariant
         self.detail = detail
+
+
+class DataIntegrityError(KVOffloadError):
+    """A CPU block's bytes no longer match the checksum recorded when it was registered."""

@@ -6,6 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
+from kvoffload.impl import OffloadImpl
 from kvoffload.model import (
     ConfigError,
     DuplicateCompletionError,
@@ -22,9 +23,11 @@ from kvoffload.model import (
 from helpers import make, prompt
 
 
-def _busy_model() -> OffloadModel:
-    """A model with a finished request, a running one, and a store event in flight."""
-    model = make(world_size=2)
+def _busy(kind: str) -> OffloadModel | OffloadImpl:
+    """A finished request, a running one, and a store event half reported."""
+    model: OffloadModel | OffloadImpl = (
+        make(world_size=2) if kind == "model" else OffloadImpl(make(world_size=2).config)
+    )
     model.add_request("done", prompt(33, 1), max_tokens=1)
     model.add_request("live", prompt(40, 2), max_tokens=5)
     model.step(80)
@@ -33,7 +36,8 @@ def _busy_model() -> OffloadModel:
     return model
 
 
-CASES: list[tuple[Callable[[OffloadModel], object], type[KVOffloadError], str]] = [
+Target = OffloadModel | OffloadImpl
+CASES: list[tuple[Callable[[Target], object], type[KVOffloadError], str]] = [
     (lambda m: m.add_request("live", [1]), DuplicateRequestError, "'live' already exists"),
     (lambda m: m.add_request("", [1]), InvalidArgumentError, "non-empty str"),
     (lambda m: m.add_request("x", []), InvalidArgumentError, "non-empty sequence"),
@@ -52,21 +56,26 @@ CASES: list[tuple[Callable[[OffloadModel], object], type[KVOffloadError], str]] 
 ]
 
 
+@pytest.mark.parametrize("kind", ["model", "impl"])
 @pytest.mark.parametrize(("call", "error", "message"), CASES)
 def test_bad_input_raises_and_leaves_state_unchanged(
-    call: Callable[[OffloadModel], object], error: type[KVOffloadError], message: str
+    call: Callable[[Target], object], error: type[KVOffloadError], message: str, kind: str
 ) -> None:
-    model = _busy_model()
-    before = model.snapshot()
+    target = _busy(kind)
+    before = target.snapshot()
     with pytest.raises(error, match=message):
-        call(model)
-    assert model.snapshot() == before
-    model.check()
+        call(target)
+    assert target.snapshot() == before
+    if isinstance(target, OffloadModel):
+        target.check()
 
 
-def test_an_unknown_variant_is_a_config_error() -> None:
+def test_an_unknown_variant_or_fault_is_a_config_error() -> None:
+    config = OffloadConfig(gpu_blocks=4, cpu_blocks=4)
     with pytest.raises(ConfigError, match="unknown variant 'nope'"):
-        OffloadModel(OffloadConfig(gpu_blocks=4, cpu_blocks=4), variant="nope")
+        OffloadModel(config, variant="nope")
+    with pytest.raises(ConfigError, match=r"unknown faults \['nope'\]"):
+        OffloadImpl(config, faults=["nope"])
 
 
 def test_errors_share_one_base_and_the_usual_builtin_bases() -> None:

@@ -1,0 +1,386 @@
+"""The implementation's offload scheduler: eager CPU offloading as vLLM 0.30.0's
+``SimpleCPUOffloadScheduler`` for full-attention groups, written for speed.
+
+Selection walks each group's block table from its cursor once; the in-flight set and the
+CPU index are hash lookups; transfers keep block objects so that completion touches each
+block once. Fault variants override single methods (``kvoffload.impl.faults``).
+
+Invariants kept (``docs/spec.md``): SKIP, CAPACITY, UNREACHABLE, REGISTERED, PENDING,
+IN-FLIGHT, RESET, EVENTS, LOAD-PINNED.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvoffload.impl.pool import Pool, PoolBlock
+from kvoffload.model.keys import BlockKey
+from kvoffload.model.types import NO_EVENT, ConnectorMetadata
+
+if TYPE_CHECKING:
+    from kvoffload.impl.engine import ImplRequest
+    from kvoffload.model.config import OffloadConfig
+
+
+@dataclass
+class Copy:
+    """Paired GPU and CPU blocks of one transfer."""
+
+    gpu: list[PoolBlock]
+    cpu: list[PoolBlock]
+
+
+@dataclass
+class Load:
+    request_id: str
+    copy: Copy
+    event: int | None = None
+    finished: bool = False
+
+
+@dataclass
+class Tracker:
+    """Eager store tracking of one request."""
+
+    request: ImplRequest
+    tables: tuple[list[int], ...]
+    cursors: list[int]
+    events: set[int] = field(default_factory=set)
+    finished: bool = False
+
+
+@dataclass
+class Hit:
+    blocks: list[list[PoolBlock]]
+    length: int
+    start: int
+
+
+class Connector:
+    """Scheduler side of eager CPU offloading."""
+
+    def __init__(self, config: OffloadConfig, gpu: Pool) -> None:
+        self.config = config
+        self.sizes = config.group_block_sizes
+        self.align = config.scheduler_block_size
+        self.hbs = config.hash_block_size
+        self.gpu = gpu
+        self.cpu = Pool(config.cpu_blocks, "cpu")
+        self.workers = config.world_size
+        self.loads: dict[str, Load] = {}
+        self.abandoned_loads: dict[str, Load] = {}
+        self.load_events: dict[int, list[str]] = {}
+        self.hits: dict[str, Hit] = {}
+        self.stores: dict[int, Copy] = {}
+        self.abandoned_stores: dict[int, Copy] = {}
+        self.store_reqs: dict[int, list[str]] = {}
+        self.trackers: dict[str, Tracker] = {}
+        self.in_flight: set[int] = set()
+        self.flushes: list[Copy] = []
+        self.next_store_event = 0
+        self.next_load_event = 0
+        self.partial: dict[int, int] = {}
+
+    # -- lookup and load ------------------------------------------------------------------
+
+    def longest_hit(
+        self, pool: Pool, keys: Sequence[Sequence[BlockKey]], start_tokens: int, limit: int
+    ) -> tuple[list[list[PoolBlock]], int]:
+        """Per group, blocks hit left to right from ``start_tokens``; the common aligned hit."""
+        found: list[list[PoolBlock]] = []
+        hit = limit
+        for size, group_keys in zip(self.sizes, keys, strict=True):
+            first = start_tokens // size
+            blocks: list[PoolBlock] = []
+            for key in group_keys[first : first + limit // size]:
+                block = pool.find(key)
+                if block is None:
+                    break
+                blocks.append(block)
+            found.append(blocks)
+            reach = len(blocks) * size
+            hit = min(hit, reach - reach % self.align)
+        hit = max(hit, 0)
+        return [blocks[: hit // size] for blocks, size in zip(found, self.sizes, strict=True)], hit
+
+    def match(self, request: ImplRequest, computed: int) -> tuple[int, bool]:
+        stale = self.hits.pop(request.request_id, None)
+        if stale is not None:
+            self.unpin_hit(stale)
+        limit = request.num_tokens - 1 - computed
+        if computed % self.align or len(request.digests) * self.hbs <= computed or limit <= 0:
+            return 0, False
+        blocks, hit = self.longest_hit(self.cpu, request.block_keys(), computed, limit)
+        if hit <= 0:
+            return 0, False
+        self.pin_hit(blocks)
+        self.hits[request.request_id] = Hit(blocks, hit, computed)
+        return hit, True
+
+    def pin_hit(self, blocks: list[list[PoolBlock]]) -> None:
+        self.cpu.pin(b for group in blocks for b in group)
+
+    def unpin_hit(self, hit: Hit) -> None:
+        self.cpu.release(b for group in hit.blocks for b in group)
+
+    def after_alloc(
+        self, request: ImplRequest, tables: tuple[list[int], ...], external: int
+    ) -> None:
+        rid = request.request_id
+        if rid not in self.trackers:
+            self.trackers[rid] = Tracker(request, tuple([] for _ in tables), [0] * len(tables))
+        hit = self.hits.pop(rid, None)
+        if hit is None:
+            return
+        if external == 0:
+            self.unpin_hit(hit)
+            return
+        gpu: list[PoolBlock] = []
+        cpu: list[PoolBlock] = []
+        for table, blocks, size in zip(tables, hit.blocks, self.sizes, strict=True):
+            base = hit.start // size
+            for offset, block in enumerate(blocks[: -(-external // size)]):
+                gpu.append(self.gpu.blocks[table[base + offset]])
+                cpu.append(block)
+        self.cpu.pin(cpu)
+        self.unpin_hit(hit)
+        self.gpu.pin(gpu)
+        self.loads[rid] = Load(rid, Copy(gpu, cpu))
+
+    # -- stores ---------------------------------------------------------------------------
+
+    def build_meta(
+        self, scheduled: list[tuple[str, tuple[list[int], ...], int]]
+    ) -> ConnectorMetadata:
+        """``scheduled``: (request id, new block ids per group, tokens scheduled), new
+        requests first, as vLLM's ``yield_req_data``."""
+        gpu: list[PoolBlock] = []
+        cpu: list[PoolBlock] = []
+        reqs: list[str] = []
+        for rid, new_ids, num_tokens in scheduled:
+            tracker = self.trackers.get(rid)
+            if tracker is None or tracker.finished:
+                continue
+            for table, ids in zip(tracker.tables, new_ids, strict=True):
+                table.extend(ids)
+            if num_tokens == 0:
+                continue
+            picked, advanced, _ = self.select(tracker, tracker.tables)
+            if picked:
+                gpu += picked
+                cpu += self.reserve(picked)
+                reqs.append(rid)
+                self.in_flight.update(b.block_id for b in picked)
+                self.gpu.pin(picked)
+            for g, n in enumerate(advanced):
+                tracker.cursors[g] += n
+        for flush in self.flushes:
+            gpu += flush.gpu
+            cpu += flush.cpu
+        self.flushes = []
+        store_event = NO_EVENT
+        if gpu:
+            store_event = self.next_store_event
+            self.next_store_event += 1
+            self.stores[store_event] = Copy(gpu, cpu)
+            if reqs:
+                self.store_reqs[store_event] = reqs
+                for rid in reqs:
+                    self.trackers[rid].events.add(store_event)
+        load_gpu: list[int] = []
+        load_cpu: list[int] = []
+        load_reqs = [rid for rid, load in self.loads.items() if load.event is None]
+        load_event = NO_EVENT
+        if load_reqs:
+            load_event = self.next_load_event
+            self.next_load_event += 1
+            for rid in load_reqs:
+                load = self.loads[rid]
+                load.event = load_event
+                load_gpu += self.gpu.ids(load.copy.gpu)
+                load_cpu += self.cpu.ids(load.copy.cpu)
+            self.load_events[load_event] = load_reqs
+        return ConnectorMetadata(
+            store_event,
+            tuple(self.gpu.ids(gpu)),
+            tuple(self.cpu.ids(cpu)),
+            load_event,
+            tuple(load_gpu),
+            tuple(load_cpu),
+            {e: tuple(r) for e, r in self.load_events.items()},
+        )
+
+    def storable(self, block: PoolBlock) -> bool:
+        """The skip rules: null, unkeyed, in flight, or already in the CPU index."""
+        return not (
+            block.is_null
+            or block.key is None
+            or block.block_id in self.in_flight
+            or block.key in self.cpu.index
+        )
+
+    def select(
+        self, tracker: Tracker, tables: tuple[list[int], ...]
+    ) -> tuple[list[PoolBlock], list[int], bool]:
+        """Blocks to store from each cursor up to the confirmed tokens; cursor advances;
+        whether selection stopped for lack of CPU blocks."""
+        confirmed = tracker.request.num_computed_tokens // self.align * self.align
+        room = self.cpu.num_free
+        picked: list[PoolBlock] = []
+        advanced = [0] * len(tables)
+        for g, table in enumerate(tables):
+            if len(picked) >= room:
+                return picked, advanced, True
+            end = min(len(table), confirmed // self.sizes[g])
+            for block_id in table[tracker.cursors[g] : end]:
+                block = self.gpu.blocks[block_id]
+                if self.storable(block):
+                    if len(picked) >= room:
+                        return picked, advanced, True
+                    picked.append(block)
+                advanced[g] += 1
+        return picked, advanced, False
+
+    def reserve(self, picked: list[PoolBlock]) -> list[PoolBlock]:
+        """CPU destinations for ``picked``: fresh, unkeyed, unreachable until completion."""
+        return self.cpu.allocate(len(picked))
+
+    def queue_final_flush(self, request: ImplRequest, tables: tuple[list[int], ...]) -> Copy | None:
+        """PR #53532: at finish, queue the confirmed blocks no scan has reached."""
+        tracker = self.trackers.get(request.request_id)
+        if tracker is None:
+            return None
+        picked, _, _ = self.select(tracker, tables)
+        if not picked:
+            return None
+        flush = Copy(picked, self.reserve(picked))
+        self.flushes.append(flush)
+        self.in_flight.update(b.block_id for b in picked)
+        self.gpu.pin(picked)
+        return flush
+
+    # -- completions ----------------------------------------------------------------------
+
+    def report(self, finished_loads: set[str], stores: dict[int, int]) -> None:
+        for rid in sorted(finished_loads):
+            self.drop_load(rid)
+        for event, count in stores.items():
+            self.count_store(event, count)
+
+    def count_store(self, event: int, count: int) -> None:
+        total = self.partial.pop(event, 0) + count
+        if total < self.workers:
+            self.partial[event] = total
+        else:
+            self.store_done(event)
+
+    def store_done(self, event: int) -> None:
+        copy = self.stores.pop(event, None)
+        if copy is None:
+            abandoned = self.abandoned_stores.pop(event, None)
+            if abandoned is not None:
+                self.forget(abandoned)
+            return
+        self.in_flight.difference_update(b.block_id for b in copy.gpu)
+        for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
+            self.publish(gpu_block, cpu_block)
+        self.cpu.release(copy.cpu)
+        self.gpu.release(copy.gpu)
+        for rid in self.store_reqs.pop(event, []):
+            tracker = self.trackers.get(rid)
+            if tracker is not None:
+                tracker.events.discard(event)
+                if tracker.finished and not tracker.events:
+                    self.untrack(rid)
+
+    def publish(self, gpu_block: PoolBlock, cpu_block: PoolBlock) -> None:
+        """Register every key of the source on the copy: the primary first, with its token
+        count, so that it stays the primary; then the secondary keys."""
+        assert gpu_block.key is not None, f"stored gpu block {gpu_block.block_id} lost its key"
+        self.cpu.register(gpu_block.key, cpu_block, gpu_block.key_tokens)
+        for key in self.gpu.extra_keys.get(gpu_block.block_id, ()):
+            self.cpu.register(key, cpu_block, None)
+
+    def forget(self, copy: Copy) -> None:
+        """Drop a transfer's pins; its data never becomes reachable."""
+        self.cpu.release(copy.cpu)
+        self.gpu.release(copy.gpu)
+
+    def pending(self) -> bool:
+        return bool(self.flushes or self.stores or self.abandoned_stores)
+
+    # -- finish ---------------------------------------------------------------------------
+
+    def finished(self, request: ImplRequest, tables: tuple[list[int], ...]) -> Copy | None:
+        flush = self.queue_final_flush(request, tables)
+        rid = request.request_id
+        hit = self.hits.pop(rid, None)
+        if hit is not None:
+            self.unpin_hit(hit)
+        load = self.loads.get(rid)
+        if load is not None:
+            if load.event is None:
+                self.drop_load(rid)
+            else:
+                load.finished = True
+        tracker = self.trackers.get(rid)
+        if tracker is not None:
+            if tracker.events:
+                tracker.finished = True
+            else:
+                self.untrack(rid)
+        return flush
+
+    def drop_load(self, rid: str) -> None:
+        load = self.loads.pop(rid, None) or self.abandoned_loads.pop(rid, None)
+        if load is None:
+            return
+        if load.event is not None:
+            reqs = self.load_events.get(load.event)
+            if reqs is not None:
+                if rid in reqs:
+                    reqs.remove(rid)
+                if not reqs:
+                    del self.load_events[load.event]
+        self.cpu.release(load.copy.cpu)
+        self.gpu.release(load.copy.gpu)
+
+    def untrack(self, rid: str) -> None:
+        tracker = self.trackers.pop(rid, None)
+        if tracker is None:
+            return
+        for event in tracker.events:
+            reqs = self.store_reqs.get(event)
+            if reqs is not None:
+                if rid in reqs:
+                    reqs.remove(rid)
+                if not reqs:
+                    del self.store_reqs[event]
+        tracker.events.clear()
+
+    # -- reset ----------------------------------------------------------------------------
+
+    def reset(self) -> bool:
+        self.abandoned_stores.update(self.stores)
+        self.release_flushes()
+        self.stores = {}
+        self.in_flight = set()
+        for rid in list(self.loads):
+            if self.loads[rid].event is None:
+                self.drop_load(rid)
+            else:
+                self.abandoned_loads[rid] = self.loads.pop(rid)
+        self.trackers = {}
+        self.store_reqs = {}
+        self.partial = {e: n for e, n in self.partial.items() if e in self.abandoned_stores}
+        if self.abandoned_stores or self.abandoned_loads:
+            return False
+        return self.cpu.clear_cache()
+
+    def release_flushes(self) -> None:
+        """PR #53532: flushes that were never sent are released at reset."""
+        for flush in self.flushes:
+            self.forget(flush)
+        self.flushes = []

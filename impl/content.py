@@ -1,0 +1,44 @@
+"""The deterministic content function: the KV bytes of every token, layer and group.
+
+Token ``t`` of a sequence gets a 63-bit seed chained over the tokens before it, so a seed
+names a whole prefix; the ``bytes_per_token`` bytes of token ``t`` in (group, layer) are a
+fixed function of that seed and of (group, layer, byte offset). A full block's bytes are
+therefore a function of (group, layer, block key) alone: the same prefix always has the
+same KV, as with a real model, and any misplaced or stale byte shows.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+_MASK = (1 << 63) - 1
+_MUL = 0x100000001B3
+INITIAL_SEED = 0x6A09E667
+
+
+def token_seeds(tokens: Sequence[int], start: int = 0, seed: int = INITIAL_SEED) -> list[int]:
+    """Chained seeds of ``tokens`` at positions ``start...``, continuing from ``seed`` (the
+    seed of the token before ``start``); ``seeds[i]`` covers the prefix up to that token."""
+    seeds = []
+    h = seed
+    for i, token in enumerate(tokens):
+        h = ((h ^ (token + 1)) * _MUL + i + start) & _MASK
+        seeds.append(h)
+    return seeds
+
+
+def token_bytes(seeds: Sequence[int], group: int, layer: int, bytes_per_token: int) -> torch.Tensor:
+    """The KV bytes of the tokens with these seeds, as ``uint8[len(seeds) * bytes_per_token]``."""
+    s = torch.tensor(list(seeds), dtype=torch.int64).unsqueeze(1)
+    offsets = torch.arange(bytes_per_token, dtype=torch.int64).unsqueeze(0)
+    mixed = s * 0x9E3779B1 + (offsets + 1) * (0x85EBCA77 + 131 * group + 7919 * layer)
+    return ((mixed ^ (mixed >> 29)) & 0xFF).to(torch.uint8).reshape(-1)
+
+
+def checksum(block: torch.Tensor) -> int:
+    """A position-weighted checksum of one block's bytes."""
+    values = block.to(torch.int64)
+    weights = torch.arange(1, values.numel() + 1, dtype=torch.int64, device=values.device)
+    return int(((values * weights) % 2_147_483_647).sum().item())

@@ -1,0 +1,229 @@
+"""``OffloadImpl``: the implementation behind the same driver API and snapshot as the
+model (``kvoffload.model.OffloadModel``), with real KV bytes moved by workers.
+
+``faults`` selects variants from :data:`kvoffload.impl.faults.FAULTS`. ``layout=None``
+runs the scheduler alone, without tensors (for scheduler benchmarks). ``device`` is where
+the "GPU" blocks live: ``cuda`` when available, else host memory.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from kvoffload.impl.connector import Connector
+from kvoffload.impl.content import token_bytes, token_seeds
+from kvoffload.impl.engine import ImplEngine, ImplRequest, Status
+from kvoffload.impl.faults import FAULTS
+from kvoffload.impl.snapshot import take_snapshot
+from kvoffload.impl.worker import KVLayout, Worker
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.errors import (
+    ConfigError,
+    DuplicateRequestError,
+    RequestFinishedError,
+    UnknownRequestError,
+)
+from kvoffload.model.keys import BlockKey
+from kvoffload.model.snapshot import Snapshot
+from kvoffload.model.types import NO_EVENT, FinishResult, StepResult
+from kvoffload.model.validate import (
+    require_completion,
+    require_int,
+    require_request_fits,
+    require_tokens,
+)
+
+DEFAULT_LAYOUT = KVLayout()
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _compose(base: type, chosen: list[type], name: str) -> type:
+    if not chosen:
+        return base
+    return type(name, (*chosen, base), {})
+
+
+class OffloadImpl:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        faults: Sequence[str] = (),
+        layout: KVLayout | None = DEFAULT_LAYOUT,
+        device: str | torch.device | None = None,
+    ) -> None:
+        unknown = sorted(set(faults) - set(FAULTS))
+        if unknown:
+            raise ConfigError(f"unknown faults {unknown}; known: {sorted(FAULTS)}")
+        self.config = config
+        self.faults = tuple(faults)
+        classes = [FAULTS[f].cls for f in faults]
+        connector = _compose(Connector, [c for c in classes if issubclass(c, Connector)], "C")
+        worker = _compose(Worker, [c for c in classes if issubclass(c, Worker)], "W")
+        self.engine = ImplEngine(config, connector)
+        self.device = torch.device(device) if device is not None else default_device()
+        self.workers: list[Worker] = (
+            []
+            if layout is None
+            else [worker(config, layout, rank, self.device) for rank in range(config.world_size)]
+        )
+        self._store_reports: dict[int, set[int]] = {}
+        self._load_reports: dict[int, set[int]] = {}
+
+    @property
+    def connector(self) -> Connector:
+        return self.engine.connector
+
+    # -- the driver API -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
+        tokens = require_tokens(prompt)
+        require_request_fits(self.config, request_id, tokens, max_tokens)
+        if request_id in self.engine.requests:
+            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        self.engine.add(request_id, tokens, max_tokens)
+
+    def step(self, token_budget: int) -> StepResult:
+        require_int("token_budget", token_budget, 0)
+        for w in self.workers:
+            w.begin_step()
+        ranges, loading, scheduled = self.engine.step(token_budget)
+        meta = self.connector.build_meta(scheduled)
+        for w in self.workers:
+            for rid, (start, end) in ranges.items():
+                req = self.engine.requests[rid]
+                w.write_tokens(rid, req.tokens, self.engine.tables[rid], start, end)
+            if meta.load_event != NO_EVENT:
+                w.submit_load(meta.load_event, meta.load_gpu_blocks, meta.load_cpu_blocks)
+            if meta.store_event != NO_EVENT:
+                w.submit_store(meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
+        finished = self.engine.sample(ranges)
+        return StepResult(ranges, tuple(loading), tuple(finished), meta)
+
+    def finish(self, request_id: str) -> FinishResult:
+        req = self.engine.requests.get(request_id)
+        if req is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        if req.status is Status.FINISHED:
+            raise RequestFinishedError(f"request {request_id!r} has already finished")
+        flush = self.engine.finish(request_id)
+        if flush is None:
+            return FinishResult(request_id)
+        return FinishResult(
+            request_id,
+            tuple(b.block_id for b in flush.gpu),
+            tuple(b.block_id for b in flush.cpu),
+        )
+
+    def complete_store(self, event: int, worker: int = 0) -> bool:
+        reported = self._store_reports.get(event, set())
+        counter = self.connector.next_store_event
+        require_completion(self.config, "store", event, worker, counter, reported)
+        if self.workers:
+            self.workers[worker].wait_store(event)
+        self._store_reports[event] = reported | {worker}
+        live = self.connector.stores.get(event)
+        self.connector.report(set(), {event: 1})
+        if live is not None and event not in self.connector.stores:
+            for w in self.workers:
+                w.seal([b.block_id for b in live.cpu])
+        return len(self._store_reports[event]) == self.config.world_size
+
+    def complete_load(self, event: int, worker: int = 0) -> tuple[str, ...]:
+        reported = self._load_reports.get(event, set())
+        counter = self.connector.next_load_event
+        require_completion(self.config, "load", event, worker, counter, reported)
+        if self.workers:
+            self.workers[worker].wait_load(event)
+        self._load_reports[event] = reported | {worker}
+        if len(self._load_reports[event]) < self.config.world_size:
+            return ()
+        finished = tuple(self.connector.load_events.get(event, ()))
+        self.engine.loads_done(set(finished))
+        return finished
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        prompt = require_tokens(tokens)
+        probe = ImplRequest("", prompt, 1, self.config)
+        _, hit = self.connector.longest_hit(
+            self.connector.cpu, probe.block_keys(), 0, len(prompt) - 1
+        )
+        return hit
+
+    def reset(self) -> bool:
+        return self.connector.reset()
+
+    def has_pending_stores(self) -> bool:
+        return self.connector.pending()
+
+    def live_requests(self) -> list[str]:
+        return [r for r, q in self.engine.requests.items() if q.status is not Status.FINISHED]
+
+    def outstanding(self, kind: str) -> list[tuple[int, int]]:
+        counter, table = (
+            (self.connector.next_store_event, self._store_reports)
+            if kind == "store"
+            else (self.connector.next_load_event, self._load_reports)
+        )
+        return [
+            (e, w)
+            for e in range(counter)
+            for w in range(self.config.world_size)
+            if w not in table.get(e, set())
+        ]
+
+    def snapshot(self) -> Snapshot:
+        return take_snapshot(self.engine)
+
+    # -- data integrity -------------------------------------------------------------------
+
+    def data_mismatches(self) -> list[str]:
+        """Every registered CPU block and every keyed full GPU block whose bytes differ from
+        the content function of its key, on every worker."""
+        if not self.workers:
+            return []
+        owners: dict[BlockKey, ImplRequest] = {}
+        for req in self.engine.requests.values():
+            for keys in req.block_keys():
+                for key in keys:
+                    owners.setdefault(key, req)
+        seeds: dict[str, list[int]] = {}
+        bpt = self.workers[0].layout.bytes_per_token
+
+        def expected(key: BlockKey, layer: int) -> torch.Tensor:
+            req = owners[key]
+            if req.request_id not in seeds:
+                seeds[req.request_id] = token_seeds(req.tokens)
+            size = self.config.group_block_sizes[key.group]
+            chunk = seeds[req.request_id][key.num_tokens - size : key.num_tokens]
+            return token_bytes(chunk, key.group, layer, bpt)
+
+        problems: list[str] = []
+        loading = {b.block_id for load in self.connector.loads.values() for b in load.copy.gpu}
+        for w in self.workers:
+            busy = loading | w.settle()
+            for side, pool, tensors in (
+                ("cpu", self.connector.cpu, w.cpu_kv),
+                ("gpu", self.engine.gpu, w.gpu_kv),
+            ):
+                for block in pool.blocks[1:]:
+                    if block.key is None or block.key not in owners:
+                        continue
+                    key = block.key
+                    if not pool.has(key, block.block_id):
+                        continue
+                    size = self.config.group_block_sizes[key.group]
+                    if key.num_tokens % size or (side == "gpu" and block.block_id in busy):
+                        continue
+                    for layer, tensor in enumerate(tensors[key.group]):
+                        actual = tensor[block.block_id].cpu()
+                        if not torch.equal(actual, expected(key, layer)):
+                            problems.append(
+                                f"worker {w.rank} {side} block {block.block_id} layer {layer} "
+                                f"does not hold the KV of {key}"
+                            )
+        return problems

@@ -1,0 +1,270 @@
+"""The implementation's engine: requests, GPU block tables, GPU prefix hits, the step.
+
+Same semantics as the model's engine (``docs/spec.md``), with incremental per-request key
+lists instead of recomputation, and KV writes delegated to the workers.
+
+Invariants kept: REF-GPU, REF-CPU, KEYS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import StrEnum
+from typing import TYPE_CHECKING
+
+from kvoffload.impl.connector import Connector, Copy
+from kvoffload.impl.pool import Pool, PoolBlock
+from kvoffload.model.keys import BlockKey, chain_digest, fine_key
+
+if TYPE_CHECKING:
+    from kvoffload.model.config import OffloadConfig
+
+DECODE_ALPHABET = 4
+
+
+class Status(StrEnum):
+    WAITING = "waiting"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class ImplRequest:
+    """A request with its tokens, chained digests and per-group block keys."""
+
+    def __init__(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, config: OffloadConfig
+    ) -> None:
+        self.request_id = request_id
+        self.tokens = list(prompt)
+        self.num_prompt = len(self.tokens)
+        self.max_tokens = max_tokens
+        self.num_computed_tokens = 0
+        self.status = Status.WAITING
+        self.hbs = config.hash_block_size
+        self.sizes = config.group_block_sizes
+        self.digests: list[str] = []
+        self._keys: list[list[BlockKey]] = [[] for _ in self.sizes]
+        self._hash_new_blocks()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tokens)
+
+    @property
+    def output(self) -> list[int]:
+        return self.tokens[self.num_prompt :]
+
+    def append(self, token: int) -> None:
+        self.tokens.append(token)
+        self._hash_new_blocks()
+
+    def _hash_new_blocks(self) -> None:
+        hbs = self.hbs
+        while (len(self.digests) + 1) * hbs <= len(self.tokens):
+            j = len(self.digests)
+            parent = self.digests[-1] if self.digests else "0" * 16
+            self.digests.append(chain_digest(parent, self.tokens[j * hbs : (j + 1) * hbs]))
+            for g, size in enumerate(self.sizes):
+                if ((j + 1) * hbs) % size == 0:
+                    self._keys[g].append(BlockKey(g, (j + 1) * hbs, self.digests[j]))
+
+    def block_keys(self) -> list[list[BlockKey]]:
+        return self._keys
+
+
+class ImplEngine:
+    def __init__(self, config: OffloadConfig, connector_cls: type[Connector] = Connector) -> None:
+        self.config = config
+        self.sizes = config.group_block_sizes
+        self.gpu = Pool(config.gpu_blocks, "gpu")
+        self.connector = connector_cls(config, self.gpu)
+        self.requests: dict[str, ImplRequest] = {}
+        self.waiting: list[str] = []
+        self.running: list[str] = []
+        self.tables: dict[str, list[list[int]]] = {}
+        self.cached: dict[str, list[int]] = {}
+        self.loaded: set[str] = set()
+        self.free_after_load: set[str] = set()
+
+    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+        self.requests[request_id] = ImplRequest(request_id, prompt, max_tokens, self.config)
+        self.waiting.append(request_id)
+
+    def table(self, rid: str) -> list[list[int]]:
+        return self.tables.get(rid) or [[] for _ in self.sizes]
+
+    def step(
+        self, budget: int
+    ) -> tuple[dict[str, tuple[int, int]], list[str], list[tuple[str, tuple[list[int], ...], int]]]:
+        """Schedule one step: (token ranges, requests now loading, connector input)."""
+        ranges: dict[str, tuple[int, int]] = {}
+        new: list[tuple[str, tuple[list[int], ...], int]] = []
+        cached: list[tuple[str, tuple[list[int], ...], int]] = []
+        loading: list[str] = []
+        stalled = False
+        for rid in self.running:
+            if budget <= 0:
+                break
+            req = self.requests[rid]
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            sizes_before = [len(ids) for ids in self.table(rid)]
+            if not self.allocate(req, n):
+                stalled = True
+                break
+            added = tuple(ids[k:] for ids, k in zip(self.tables[rid], sizes_before, strict=True))
+            cached.append((rid, added, n))
+            ranges[rid] = (req.num_computed_tokens, req.num_computed_tokens + n)
+            budget -= n
+        for rid in [] if stalled else list(self.waiting):
+            if budget <= 0:
+                break
+            req = self.requests[rid]
+            if req.status is Status.WAITING_FOR_REMOTE_KVS:
+                if rid not in self.loaded:
+                    continue
+                self.cache(req, req.num_computed_tokens)
+                if req.num_computed_tokens == req.num_tokens:
+                    req.num_computed_tokens -= 1
+                self.loaded.discard(rid)
+                req.status = Status.WAITING
+            hits: list[list[PoolBlock]] | None = None
+            local = external = 0
+            load = False
+            if req.num_computed_tokens == 0:
+                hits, local = self.connector.longest_hit(
+                    self.gpu, req.block_keys(), 0, req.num_tokens - 1
+                )
+                external, load = self.connector.match(req, local)
+            start = req.num_computed_tokens + local + external
+            n = 0 if load else min(req.num_tokens - start, budget)
+            if not self.allocate(req, n, hits, local, external, load):
+                break
+            self.connector.after_alloc(req, tuple(list(ids) for ids in self.tables[rid]), external)
+            if load:
+                req.status = Status.WAITING_FOR_REMOTE_KVS
+                req.num_computed_tokens = start
+                loading.append(rid)
+                continue
+            req.num_computed_tokens = start
+            self.waiting.remove(rid)
+            self.running.append(rid)
+            req.status = Status.RUNNING
+            new.append((rid, tuple(list(ids) for ids in self.tables[rid]), n))
+            ranges[rid] = (start, start + n)
+            budget -= n
+        return ranges, loading, new + cached
+
+    def allocate(
+        self,
+        req: ImplRequest,
+        n: int,
+        hits: list[list[PoolBlock]] | None = None,
+        local: int = 0,
+        external: int = 0,
+        delay_cache: bool = False,
+    ) -> bool:
+        rid = req.request_id
+        first = rid not in self.tables
+        table = self.table(rid)
+        hits = hits or [[] for _ in self.sizes]
+        end = req.num_computed_tokens + local + external + n
+        wanted = [-(-end // size) for size in self.sizes]
+        need = sum(
+            max(0, w - len(ids) - len(h)) for w, ids, h in zip(wanted, table, hits, strict=True)
+        )
+        need += sum(1 for h in hits for b in h if b.ref == 0 and not b.is_null)
+        if need > self.gpu.num_free:
+            return False
+        if first:
+            self.tables[rid] = table
+            self.cached[rid] = [len(h) for h in hits]
+            for ids, h in zip(table, hits, strict=True):
+                self.gpu.pin(h)
+                ids.extend(b.block_id for b in h)
+            if external:
+                for ids, size in zip(table, self.sizes, strict=True):
+                    k = -(-(local + external) // size) - len(ids)
+                    ids.extend(b.block_id for b in self.gpu.allocate(max(0, k)))
+        for ids, w in zip(table, wanted, strict=True):
+            ids.extend(b.block_id for b in self.gpu.allocate(max(0, w - len(ids))))
+        if not delay_cache:
+            self.cache(req, min(end, req.num_tokens))
+        return True
+
+    def cache(self, req: ImplRequest, num_tokens: int) -> None:
+        hbs = self.config.hash_block_size
+        rid = req.request_id
+        boundary = req.num_prompt // hbs * hbs
+        for g, size in enumerate(self.sizes):
+            ids = self.tables[rid][g]
+            done = self.cached[rid][g]
+            full = num_tokens // size
+            keys = req.block_keys()[g]
+            for i in range(done, full):
+                block = self.gpu.blocks[ids[i]]
+                if block.key is not None:
+                    self.gpu.drop_keys(block)
+                self.gpu.register(keys[i], block, keys[i].num_tokens)
+            self.cached[rid][g] = max(done, full)
+            if size == hbs or boundary == 0 or boundary > num_tokens or boundary % size == 0:
+                continue
+            if boundary // size < len(ids):
+                self.cache_tail(
+                    self.gpu.blocks[ids[boundary // size]],
+                    fine_key(req.digests, boundary // hbs - 1, g, hbs),
+                )
+
+    def cache_tail(self, block: PoolBlock, key: BlockKey) -> None:
+        """A prompt boundary inside a block: primary while partial, secondary once full."""
+        known = block.key == key or self.gpu.has(key, block.block_id)
+        if not known and block.key_tokens is not None and block.key_tokens < key.num_tokens:
+            self.gpu.drop_keys(block)
+        self.gpu.register(key, block, key.num_tokens)
+
+    def sample(self, ranges: dict[str, tuple[int, int]]) -> list[str]:
+        """Advance computed tokens, sample a token where the prompt is done; finish at
+        ``max_tokens``. Returns the finished requests."""
+        done: list[str] = []
+        for rid, (_, end) in ranges.items():
+            req = self.requests[rid]
+            req.num_computed_tokens = end
+            if end == req.num_tokens:
+                req.append(sum(req.tokens) % DECODE_ALPHABET)
+                if len(req.output) >= req.max_tokens:
+                    self.finish(rid)
+                    done.append(rid)
+        return done
+
+    def finish(self, rid: str) -> Copy | None:
+        req = self.requests[rid]
+        tables = tuple(
+            ids[: -(-req.num_computed_tokens // size)]
+            for ids, size in zip(self.table(rid), self.sizes, strict=True)
+        )
+        flush = self.connector.finished(req, tables)
+        was_loading = req.status is Status.WAITING_FOR_REMOTE_KVS
+        for queue in (self.running, self.waiting):
+            if rid in queue:
+                queue.remove(rid)
+        req.status = Status.FINISHED
+        if was_loading and rid not in self.loaded:
+            self.free_after_load.add(rid)
+        else:
+            self.loaded.discard(rid)
+            self.free_table(rid)
+        return flush
+
+    def free_table(self, rid: str) -> None:
+        for ids in self.tables.pop(rid, []):
+            self.gpu.release(self.gpu.blocks[i] for i in reversed(ids))
+        self.cached.pop(rid, None)
+
+    def loads_done(self, rids: set[str]) -> None:
+        self.connector.report(rids, {})
+        for rid in sorted(rids):
+            if self.requests[rid].status is Status.WAITING_FOR_REMOTE_KVS:
+                self.loaded.add(rid)
+            elif rid in self.free_after_load:
+                self.free_after_load.discard(rid)
+                self.free_table(rid)

@@ -1,0 +1,209 @@
+"""The fault catalogue: named variants of the implementation, each reproducing a real bug
+class of CPU offloading. All are off by default; ``OffloadImpl(faults=[name, ...])``
+selects them. Each class overrides one behaviour of :class:`Connector` or :class:`Worker`
+and says which vLLM issue, PR or code it comes from.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvoffload.impl.connector import Connector, Copy, Tracker
+from kvoffload.impl.engine import ImplRequest
+from kvoffload.impl.pool import Pool, PoolBlock
+from kvoffload.impl.worker import Worker
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.types import NO_EVENT, ConnectorMetadata
+
+
+class PhantomPrimary(Connector):
+    """vLLM #53498 (fixed by PR #53532): CPU blocks are stamped with the GPU block's key at
+    allocation, and completion registers through ``_insert_block_hash`` without
+    ``reset_hash()``; its first guard returns early, so the primary never enters the map."""
+
+    def reserve(self, picked: list[PoolBlock]) -> list[PoolBlock]:
+        cpu = super().reserve(picked)
+        for gpu_block, cpu_block in zip(picked, cpu, strict=True):
+            cpu_block.key = gpu_block.key
+        return cpu
+
+    def forget(self, copy: Copy) -> None:
+        for block in copy.cpu:
+            block.key = None  # vLLM <= 0.29.0 reset the stamp before releasing
+        super().forget(copy)
+
+
+class NoFinalFlush(Connector):
+    """vLLM #53498 (fixed by PR #53532): finishing a request queues nothing, so blocks
+    confirmed after its last scan are never stored."""
+
+    def queue_final_flush(self, request: ImplRequest, tables: tuple[list[int], ...]) -> Copy | None:
+        return None
+
+
+class SecondaryKeysNotCopied(Connector):
+    """vLLM #53498 (fixed by PR #53532): completion registers the primary key only; the GPU
+    block's secondary (fine-grained) keys never reach the CPU block."""
+
+    def publish(self, gpu_block: PoolBlock, cpu_block: PoolBlock) -> None:
+        assert gpu_block.key is not None
+        self.cpu.register(gpu_block.key, cpu_block, gpu_block.key_tokens)
+
+
+class _Flushing(Connector):
+    """Marks the final flush's selection, for faults that break only that selection."""
+
+    flushing = False
+
+    def queue_final_flush(self, request: ImplRequest, tables: tuple[list[int], ...]) -> Copy | None:
+        self.flushing = True
+        try:
+            return super().queue_final_flush(request, tables)
+        finally:
+            self.flushing = False
+
+
+class FlushStoresPresent(_Flushing):
+    """PR #53532 ("existing CPU entries are skipped"): a final flush that does not skip
+    blocks whose key is already in the CPU map stores them a second time."""
+
+    def storable(self, block: PoolBlock) -> bool:
+        if self.flushing:
+            return not (block.is_null or block.key is None or block.block_id in self.in_flight)
+        return super().storable(block)
+
+
+class FlushIgnoresCapacity(_Flushing):
+    """PR #53532 ("the flush respects CPU capacity"): a final flush that selects every
+    confirmed block asks the CPU pool for more blocks than it has free."""
+
+    def select(
+        self, tracker: Tracker, tables: tuple[list[int], ...]
+    ) -> tuple[list[PoolBlock], list[int], bool]:
+        if not self.flushing:
+            return super().select(tracker, tables)
+        confirmed = tracker.request.num_computed_tokens // self.align * self.align
+        picked = [
+            self.gpu.blocks[i]
+            for g, table in enumerate(tables)
+            for i in table[tracker.cursors[g] : min(len(table), confirmed // self.sizes[g])]
+            if self.storable(self.gpu.blocks[i])
+        ]
+        return picked, [0] * len(tables), False
+
+
+class PendingIgnoresFlush(Connector):
+    """PR #53532, commit 2bbfe699: ``has_pending_stores()`` ignoring queued final flushes
+    lets the engine go idle with a flush never submitted and its GPU blocks pinned."""
+
+    def pending(self) -> bool:
+        return bool(self.stores or self.abandoned_stores)
+
+
+class ResetLeaksFlush(Connector):
+    """PR #53532's reset() addition: without it, unsubmitted final flushes survive
+    ``reset()`` and keep their CPU and GPU blocks pinned, so the CPU cache cannot reset."""
+
+    def release_flushes(self) -> None:
+        return None
+
+
+class AbandonedStoreRegisters(Connector):
+    """vLLM's reset() (PR #39726): a store in flight at reset is abandoned; registering its
+    data when it completes serves KV computed before the reset (e.g. under old weights)."""
+
+    def store_done(self, event: int) -> None:
+        copy = self.abandoned_stores.get(event)
+        if copy is not None and event not in self.stores:
+            for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
+                if gpu_block.key is not None:
+                    self.publish(gpu_block, cpu_block)
+        super().store_done(event)
+
+
+class PinDroppedEarly(Connector):
+    """vLLM's eager store path pins each source GPU block (``touch``, "to prevent freeing
+    during async copy") until completion; dropping the pin at submission lets the block be
+    reallocated and overwritten while the copy may still read it."""
+
+    def __init__(self, config: OffloadConfig, gpu: Pool) -> None:
+        super().__init__(config, gpu)
+        self.early: set[int] = set()
+
+    def build_meta(
+        self, scheduled: list[tuple[str, tuple[list[int], ...], int]]
+    ) -> ConnectorMetadata:
+        meta = super().build_meta(scheduled)
+        if meta.store_event != NO_EVENT:
+            self.early.add(meta.store_event)
+            self.gpu.release(self.stores[meta.store_event].gpu)
+        return meta
+
+    def store_done(self, event: int) -> None:
+        copy = self.stores.get(event) or self.abandoned_stores.get(event)
+        if copy is not None and event in self.early:
+            self.early.discard(event)
+            self.gpu.pin(copy.gpu)  # balances the release that completion performs
+        super().store_done(event)
+
+
+class PartialCompletionsDropped(Connector):
+    """vLLM's ``_store_event_pending_counts`` ("for TP/PP: track partial store completions
+    across steps"): without it, workers reporting in different steps never add up to
+    ``world_size`` and the store never completes."""
+
+    def count_store(self, event: int, count: int) -> None:
+        self.partial.pop(event, None)
+        if count >= self.workers:
+            self.store_done(event)
+        else:
+            self.partial[event] = count
+
+
+class LookupPinMissing(Connector):
+    """vLLM's ``_pending_cpu_hits`` pin ("so they survive LRU eviction until
+    update_state_after_alloc() consumes them"): without it, a hit can be evicted and
+    reused between the lookup and the load."""
+
+    def pin_hit(self, blocks: list[list[PoolBlock]]) -> None:
+        return None
+
+    def unpin_hit(self, hit: object) -> None:
+        return None
+
+
+class StoreSkipsComputeWait(Worker):
+    """vLLM #45704: the store copy must wait on an event recorded after the step's compute;
+    without the wait it can read KV the compute stream has not written yet."""
+
+    def store_waits(self) -> bool:
+        return False
+
+
+@dataclass(frozen=True)
+class Fault:
+    name: str
+    cls: type[Connector] | type[Worker]
+
+    @property
+    def summary(self) -> str:
+        return (self.cls.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+
+
+FAULTS: dict[str, Fault] = {
+    f.name: f
+    for f in [
+        Fault("phantom-primary", PhantomPrimary),
+        Fault("no-final-flush", NoFinalFlush),
+        Fault("secondary-keys-not-copied", SecondaryKeysNotCopied),
+        Fault("flush-stores-present", FlushStoresPresent),
+        Fault("flush-ignores-capacity", FlushIgnoresCapacity),
+        Fault("pending-ignores-flush", PendingIgnoresFlush),
+        Fault("reset-leaks-flush", ResetLeaksFlush),
+        Fault("abandoned-store-registers", AbandonedStoreRegisters),
+        Fault("pin-dropped-early", PinDroppedEarly),
+        Fault("partial-completions-dropped", PartialCompletionsDropped),
+        Fault("lookup-pin-missing", LookupPinMissing),
+        Fault("store-skips-compute-wait", StoreSkipsComputeWait),
+    ]
+}

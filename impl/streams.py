@@ -1,0 +1,123 @@
+"""Streams and events for the copy engine, on CUDA or emulated on the CPU.
+
+On CUDA these are ``torch.cuda`` streams and events. Without CUDA the "device" is host
+memory and the emulation keeps the two properties the offload path depends on:
+
+- the compute stream runs behind the scheduler: KV writes of a step are queued and run
+  only when a marker recorded after them is waited on, or when they are more than ``lag``
+  steps old (as a GPU running behind an asynchronous scheduler), so a copy that does not
+  wait for compute reads stale bytes (the race of vLLM #45704);
+- copies run on a copy thread, loads before stores, so completion order is not issue
+  order; a caller polls or waits for one given transfer.
+
+Old compute work is run only after the copy thread is drained, so whether a copy saw a
+write never depends on thread timing: the emulation is deterministic.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import threading
+from collections import Counter, deque
+from collections.abc import Callable
+
+
+class ComputeStream:
+    """The emulated compute stream: queued work runs lazily, in order."""
+
+    def __init__(self, lag: int = 1) -> None:
+        self.lag = lag
+        self._ops: deque[tuple[int, int, int, Callable[[], None]]] = deque()
+        self._targets: Counter[int] = Counter()
+        self._seq = 0
+        self._step = 0
+        self._lock = threading.Lock()
+
+    def enqueue(self, target: int, op: Callable[[], None]) -> None:
+        """Queue ``op``, which writes device block ``target``."""
+        with self._lock:
+            self._seq += 1
+            self._ops.append((self._seq, self._step, target, op))
+            self._targets[target] += 1
+
+    def pending_targets(self) -> set[int]:
+        """Device blocks with queued writes: their bytes are not final yet."""
+        with self._lock:
+            return {t for t, n in self._targets.items() if n}
+
+    def _run_first(self) -> None:
+        _, _, target, op = self._ops.popleft()
+        op()
+        self._targets[target] -= 1
+
+    def record(self) -> int:
+        """A marker after everything queued so far."""
+        with self._lock:
+            return self._seq
+
+    def run_until(self, marker: int) -> None:
+        with self._lock:
+            while self._ops and self._ops[0][0] <= marker:
+                self._run_first()
+
+    def synchronize(self) -> None:
+        self.run_until(self.record())
+
+    def next_step(self) -> None:
+        """A new step begins: work older than ``lag`` steps has finished by now. Call it
+        with no copy running (``CopyThread.drain``)."""
+        with self._lock:
+            self._step += 1
+            while self._ops and self._ops[0][1] < self._step - self.lag:
+                self._run_first()
+
+
+class CopyJob:
+    def __init__(self, run: Callable[[], None]) -> None:
+        self.run = run
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+
+
+class CopyThread:
+    """One background thread running copy jobs, loads before stores."""
+
+    LOAD, STORE = 0, 1
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, CopyJob]] = []
+        self._order = itertools.count()
+        self._cv = threading.Condition()
+        self._unfinished = 0
+        self._thread = threading.Thread(target=self._loop, name="kvoffload-copy", daemon=True)
+        self._thread.start()
+
+    def submit(self, priority: int, run: Callable[[], None]) -> CopyJob:
+        job = CopyJob(run)
+        with self._cv:
+            heapq.heappush(self._heap, (priority, next(self._order), job))
+            self._unfinished += 1
+            self._cv.notify_all()
+        return job
+
+    def drain(self) -> None:
+        """Wait until every submitted job has run."""
+        with self._cv:
+            while self._unfinished:
+                self._cv.wait()
+
+    def _loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._heap:
+                    self._cv.wait()
+                _, _, job = heapq.heappop(self._heap)
+            try:
+                job.run()
+            except BaseException as error:  # reported to whoever waits for the job
+                job.error = error
+            job.done.set()
+            with self._cv:
+                self._unfinished -= 1
+                self._cv.notify_all()

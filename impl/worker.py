@@ -1,0 +1,251 @@
+"""The worker: KV bytes in device tensors, copies to and from host memory.
+
+Per KV group and layer, a device tensor viewed as ``[num_gpu_blocks, bytes_per_block]``
+and a host tensor ``[num_cpu_blocks, bytes_per_block]``, page-locked when CUDA is present.
+As in vLLM, a transfer copies each (GPU block, CPU block) pair in every tensor; runs of
+consecutive ids on both sides are coalesced into one copy per run per tensor.
+
+On CUDA, copies run on a dedicated lowest-priority stream with one event per transfer; a
+store first waits on an event recorded on the compute stream after the step's KV writes
+(the race of vLLM #45704); loads wait too, standing in for vLLM's deferred block free.
+Without CUDA, :mod:`kvoffload.impl.streams` emulates both streams deterministically.
+
+Data integrity: the bytes are :mod:`kvoffload.impl.content`'s. With checksums on, a
+checksum of each CPU block is recorded when it is registered and checked before a load
+reads it: a corrupted host block raises :class:`DataIntegrityError` and is never served.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvoffload.impl.content import INITIAL_SEED, checksum, token_bytes, token_seeds
+from kvoffload.impl.streams import ComputeStream, CopyJob, CopyThread
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.errors import DataIntegrityError
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV cache: layers per group, bytes per token per layer."""
+
+    num_layers: int = 2
+    bytes_per_token: int = 8
+    checksums: bool = True
+    compute_lag: int = 1
+
+
+def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs ``(src_start, dst_start, length)`` where both sides are consecutive."""
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst, strict=True):
+        if runs:
+            s0, d0, n = runs[-1]
+            if s == s0 + n and d == d0 + n:
+                runs[-1] = (s0, d0, n + 1)
+                continue
+        runs.append((s, d, 1))
+    return runs
+
+
+def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
+    for s, d, n in runs:
+        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
+
+
+class Transfer:
+    """One submitted copy: poll with ``done()``, block with ``wait()``."""
+
+    def __init__(self, job: CopyJob | None = None, event: torch.cuda.Event | None = None) -> None:
+        self._job = job
+        self._event = event
+
+    def done(self) -> bool:
+        if self._job is not None:
+            return self._job.done.is_set()
+        assert self._event is not None
+        return bool(self._event.query())
+
+    def wait(self) -> None:
+        if self._job is not None:
+            self._job.done.wait()
+            if self._job.error is not None:
+                raise self._job.error
+        else:
+            assert self._event is not None
+            self._event.synchronize()
+
+
+class Worker:
+    """One rank's KV cache and copy engine."""
+
+    def __init__(
+        self, config: OffloadConfig, layout: KVLayout, rank: int, device: torch.device
+    ) -> None:
+        self.config = config
+        self.layout = layout
+        self.rank = rank
+        self.device = device
+        self.cuda = device.type == "cuda"
+        bpt = layout.bytes_per_token
+        self.gpu_kv = [
+            [
+                torch.zeros(config.gpu_blocks, size * bpt, dtype=torch.uint8, device=device)
+                for _ in range(layout.num_layers)
+            ]
+            for size in config.group_block_sizes
+        ]
+        self.cpu_kv = [
+            [
+                torch.zeros(config.cpu_blocks, size * bpt, dtype=torch.uint8, pin_memory=self.cuda)
+                for _ in range(layout.num_layers)
+            ]
+            for size in config.group_block_sizes
+        ]
+        self.stores: dict[int, Transfer] = {}
+        self.loads: dict[int, Transfer] = {}
+        self.sums: dict[int, list[int]] = {}
+        self._seeds: dict[str, list[int]] = {}
+        if self.cuda:
+            # Priority 0 is CUDA's lowest: copies yield to compute, as vLLM's do.
+            self.copy_stream = torch.cuda.Stream(device=device, priority=0)
+        else:
+            self.compute = ComputeStream(layout.compute_lag)
+            self.copier = CopyThread()
+
+    def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        return [
+            (gpu, cpu)
+            for gpu_layers, cpu_layers in zip(self.gpu_kv, self.cpu_kv, strict=True)
+            for gpu, cpu in zip(gpu_layers, cpu_layers, strict=True)
+        ]
+
+    # -- compute --------------------------------------------------------------------------
+
+    def begin_step(self) -> None:
+        if not self.cuda:
+            self.copier.drain()
+            self.compute.next_step()
+
+    def seeds(self, request_id: str, tokens: Sequence[int]) -> list[int]:
+        known = self._seeds.setdefault(request_id, [])
+        if len(known) < len(tokens):
+            start = len(known)
+            known.extend(token_seeds(tokens[start:], start, known[-1] if known else INITIAL_SEED))
+        return known
+
+    def write_tokens(
+        self,
+        request_id: str,
+        tokens: Sequence[int],
+        table: Sequence[Sequence[int]],
+        start: int,
+        end: int,
+    ) -> None:
+        """Write the KV of tokens ``[start, end)`` into the request's device blocks."""
+        seeds = self.seeds(request_id, tokens)[start:end]
+        bpt = self.layout.bytes_per_token
+        for g, size in enumerate(self.config.group_block_sizes):
+            pos = start
+            while pos < end:
+                block = table[g][pos // size]
+                stop = min(end, (pos // size + 1) * size)
+                for layer, tensor in enumerate(self.gpu_kv[g]):
+                    data = token_bytes(seeds[pos - start : stop - start], g, layer, bpt)
+                    a, b = (pos % size) * bpt, (pos % size + stop - pos) * bpt
+                    self._compute(tensor, block, a, b, data)
+                pos = stop
+
+    def _compute(
+        self, tensor: torch.Tensor, block: int, a: int, b: int, data: torch.Tensor
+    ) -> None:
+        if self.cuda:
+            tensor[block, a:b].copy_(data.to(self.device, non_blocking=True))
+        else:
+
+            def write() -> None:
+                tensor[block, a:b].copy_(data)
+
+            self.compute.enqueue(block, write)
+
+    # -- transfers ------------------------------------------------------------------------
+
+    def submit_load(self, event: int, gpu_ids: Sequence[int], cpu_ids: Sequence[int]) -> None:
+        if self.layout.checksums:
+            self.check_sums(cpu_ids)
+        runs = coalesce(cpu_ids, gpu_ids)
+        self.loads[event] = self._launch(runs, to_device=True, wait_compute=True)
+
+    def submit_store(self, event: int, gpu_ids: Sequence[int], cpu_ids: Sequence[int]) -> None:
+        for cpu_id in cpu_ids:
+            self.sums.pop(cpu_id, None)
+        runs = coalesce(gpu_ids, cpu_ids)
+        self.stores[event] = self._launch(runs, to_device=False, wait_compute=self.store_waits())
+
+    def store_waits(self) -> bool:
+        """A store reads KV only after the step's compute (vLLM #45704)."""
+        return True
+
+    def _launch(
+        self, runs: list[tuple[int, int, int]], to_device: bool, wait_compute: bool
+    ) -> Transfer:
+        pairs = [(cpu, gpu) if to_device else (gpu, cpu) for gpu, cpu in self.tensors()]
+        if self.cuda:
+            after_compute = torch.cuda.Event()
+            after_compute.record(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.copy_stream):
+                if wait_compute:
+                    self.copy_stream.wait_event(after_compute)
+                for src, dst in pairs:
+                    copy_runs(src, dst, runs)
+                done = torch.cuda.Event()
+                done.record(self.copy_stream)
+            return Transfer(event=done)
+        marker = self.compute.record()
+
+        def run() -> None:
+            if wait_compute:
+                self.compute.run_until(marker)
+            for src, dst in pairs:
+                copy_runs(src, dst, runs)
+
+        priority = CopyThread.LOAD if to_device else CopyThread.STORE
+        return Transfer(job=self.copier.submit(priority, run))
+
+    def wait_store(self, event: int) -> None:
+        self.stores.pop(event).wait()
+
+    def wait_load(self, event: int) -> None:
+        self.loads.pop(event).wait()
+
+    def settle(self) -> set[int]:
+        """Finish every copy; return the device blocks whose KV writes are still queued.
+        Compute is not forced, so checking bytes does not change what a copy would see."""
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+            return set()
+        self.copier.drain()
+        return self.compute.pending_targets()
+
+    # -- integrity ------------------------------------------------------------------------
+
+    def block_sum(self, cpu_id: int) -> list[int]:
+        return [checksum(cpu[cpu_id]) for _, cpu in self.tensors()]
+
+    def seal(self, cpu_ids: Sequence[int]) -> None:
+        """Record the checksums of newly registered CPU blocks."""
+        if self.layout.checksums:
+            for cpu_id in cpu_ids:
+                self.sums[cpu_id] = self.block_sum(cpu_id)
+
+    def check_sums(self, cpu_ids: Sequence[int]) -> None:
+        for cpu_id in cpu_ids:
+            expected = self.sums.get(cpu_id)
+            if expected is not None and self.block_sum(cpu_id) != expected:
+                raise DataIntegrityError(
+                    f"worker {self.rank}: cpu block {cpu_id} does not match the checksum "
+                    "recorded at its registration; refusing to load it"
+                )

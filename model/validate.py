@@ -1,0 +1,66 @@
+"""The driver-input contract shared by every implementation: what counts as bad input and
+the error it raises. Checks only; nothing here changes state."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.errors import (
+    DuplicateCompletionError,
+    InvalidArgumentError,
+    UnknownEventError,
+)
+
+
+def require_int(name: str, value: object, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def require_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not tokens:
+        raise InvalidArgumentError(f"tokens must be a non-empty sequence of ints, got {tokens!r}")
+    for t in tokens:
+        require_int("token id", t, 0)
+    return tuple(tokens)
+
+
+def require_request_fits(
+    config: OffloadConfig, request_id: object, tokens: Sequence[int], max_tokens: int
+) -> None:
+    """As vLLM's max_model_len check: a request must fit in the GPU pool on its own. The
+    last sampled token is never computed, so it needs no slot."""
+    if not isinstance(request_id, str) or not request_id:
+        raise InvalidArgumentError(f"request id must be a non-empty str, got {request_id!r}")
+    require_int("max_tokens", max_tokens, 1)
+    need = sum(-(-(len(tokens) + max_tokens - 1) // size) for size in config.group_block_sizes)
+    if need > config.gpu_blocks - 1:
+        raise InvalidArgumentError(
+            f"request {request_id!r} needs {need} GPU blocks for {len(tokens)} prompt and "
+            f"{max_tokens - 1} computed output tokens; the GPU pool has {config.gpu_blocks - 1}"
+        )
+
+
+def require_completion(
+    config: OffloadConfig,
+    kind: str,
+    event: int,
+    worker: int,
+    counter: int,
+    reported: set[int],
+) -> None:
+    """A completion must name an issued event and a worker that has not reported it."""
+    require_int("event", event, 0)
+    require_int("worker", worker, 0)
+    if worker >= config.world_size:
+        raise InvalidArgumentError(
+            f"worker {worker} is out of range for world_size {config.world_size}"
+        )
+    if event >= counter:
+        raise UnknownEventError(f"{kind} event {event} was never issued (next is {counter})")
+    if worker in reported:
+        raise DuplicateCompletionError(f"worker {worker} already reported {kind} event {event}")

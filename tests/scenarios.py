@@ -1,0 +1,166 @@
+"""Named programs of driver calls, each with the configuration it runs under."""
+
+from __future__ import annotations
+
+from lockstep import Call
+
+from kvoffload.model import OffloadConfig
+
+from helpers import prompt
+
+
+def cfg(
+    gpu: int = 32,
+    cpu: int = 16,
+    groups: tuple[int, ...] = (16,),
+    hbs: int | None = None,
+    world: int = 1,
+) -> OffloadConfig:
+    return OffloadConfig(gpu, cpu, groups, hbs or min(groups), world)
+
+
+P33, P40, P64 = prompt(33), prompt(40), prompt(64)
+STORE_THEN_EVICT: list[Call] = [
+    ("add", "a", P40, 1),
+    ("step", 64),
+    ("step", 0),
+    ("drain",),
+    ("add", "filler", prompt(64, 5), 1),
+    ("step", 64),
+    ("step", 0),
+    ("drain",),
+    ("add", "b", P40, 1),
+    ("step", 64),
+]
+
+SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
+    "final-flush-33": (
+        cfg(),
+        [("add", "r", P33, 1), ("step", 64), ("step", 0), ("drain",), ("lookup", P33)],
+    ),
+    "chunks-decode-secondary-keys": (
+        cfg(16, 12, (4,), 2),
+        [
+            ("add", "r", prompt(10), 3),
+            *[("step", 4)] * 5,
+            ("step", 0),
+            ("drain",),
+            ("lookup", prompt(10)),
+        ],
+    ),
+    "load-after-gpu-eviction": (
+        cfg(gpu=5),
+        [*STORE_THEN_EVICT, ("lookup", P40), ("drain",), ("step", 64), ("step", 0), ("drain",)],
+    ),
+    "finish-during-load": (cfg(gpu=5), [*STORE_THEN_EVICT, ("finish", "b"), ("drain",)]),
+    "reset-during-load": (
+        cfg(gpu=5),
+        [*STORE_THEN_EVICT, ("reset",), ("drain",), ("step", 64), ("reset",)],
+    ),
+    "capacity-retry": (
+        cfg(cpu=3),
+        [
+            ("add", "r", P64, 8),
+            *[("step", 16)] * 4,
+            ("drain",),
+            ("step", 16),
+            ("step", 16),
+            ("finish", "r"),
+            ("step", 0),
+            ("drain",),
+        ],
+    ),
+    "final-flush-capacity": (
+        cfg(cpu=3),
+        [("add", "r", prompt(65), 1), ("step", 80), ("step", 0), ("drain",)],
+    ),
+    "two-workers-report-apart": (
+        cfg(world=2),
+        [
+            ("add", "r", P33, 1),
+            ("step", 64),
+            ("step", 0),
+            ("store", 0, 1),
+            ("step", 8),
+            ("store", 0, 0),
+            ("lookup", P33),
+        ],
+    ),
+    "reset-releases-queued-flush": (
+        cfg(),
+        [("add", "r", P33, 1), ("step", 64), ("reset",), ("step", 0), ("drain",), ("lookup", P33)],
+    ),
+    "reset-abandons-store": (
+        cfg(),
+        [
+            ("add", "r", P33, 1),
+            ("step", 64),
+            ("step", 0),
+            ("reset",),
+            ("drain",),
+            ("lookup", P33),
+            ("reset",),
+        ],
+    ),
+    "shared-prefix-in-flight": (
+        cfg(groups=(4,)),
+        [
+            ("add", "a", prompt(8), 5),
+            ("step", 8),
+            ("add", "b", prompt(8), 2),
+            ("step", 8),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+        ],
+    ),
+    "failed-allocation-keeps-lookup-pin": (
+        cfg(gpu=5),
+        [
+            ("add", "a", P40, 1),
+            ("step", 64),
+            ("step", 0),
+            ("drain",),
+            ("add", "hog", prompt(48, 5), 10),
+            ("step", 64),
+            ("add", "b", P40, 1),
+            ("step", 2),
+            ("step", 2),
+            ("drain",),
+            ("step", 2),
+            ("finish", "b"),
+            ("finish", "hog"),
+            ("step", 0),
+            ("drain",),
+        ],
+    ),
+    # b's GPU hit stops one block short of its 32-token prompt (the last token is always
+    # recomputed), so b computes its own copy of a's second block, whose key a has already
+    # stored: b's final flush must skip it.
+    "final-flush-skips-present": (
+        cfg(),
+        [
+            ("add", "a", prompt(32), 5),
+            ("step", 64),
+            ("step", 8),
+            ("drain",),
+            ("add", "b", prompt(32), 1),
+            ("step", 64),
+            ("step", 0),
+            ("drain",),
+            ("lookup", prompt(33)),
+        ],
+    ),
+    "two-groups": (
+        cfg(16, 16, (4, 8), 4),
+        [
+            ("add", "r", prompt(17), 1),
+            ("step", 32),
+            ("step", 0),
+            ("drain",),
+            ("lookup", prompt(17)),
+            ("lookup", prompt(13)),
+        ],
+    ),
+}

@@ -1,0 +1,132 @@
+"""The worker's copy path, the content function, checksums and the stream emulation."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from lockstep import apply
+from scenarios import STORE_THEN_EVICT, cfg
+
+from kvoffload.impl import KVLayout, OffloadImpl
+from kvoffload.impl.content import checksum, token_bytes, token_seeds
+from kvoffload.impl.streams import ComputeStream, CopyThread
+from kvoffload.impl.worker import coalesce, copy_runs
+from kvoffload.model import DataIntegrityError, OffloadConfig
+
+
+def test_coalesce_joins_runs_consecutive_on_both_sides() -> None:
+    assert coalesce([3, 4, 5, 9, 10], [1, 2, 3, 7, 9]) == [(3, 1, 3), (9, 7, 1), (10, 9, 1)]
+    assert coalesce([], []) == []
+
+
+def test_copy_runs_moves_exactly_the_paired_blocks() -> None:
+    src = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4)
+    dst = torch.zeros(8, 4, dtype=torch.uint8)
+    pairs = ([1, 2, 3, 6], [4, 5, 6, 0])
+    copy_runs(src, dst, coalesce(*pairs))
+    for s, d in zip(*pairs, strict=True):
+        assert torch.equal(dst[d], src[s])
+    untouched = [i for i in range(8) if i not in pairs[1]]
+    assert not dst[untouched].any()
+
+
+def test_content_is_a_function_of_the_prefix_group_and_layer() -> None:
+    seeds = token_seeds([1, 2, 3, 4])
+    assert token_seeds([1, 2, 3, 4, 5])[:4] == seeds
+    assert token_seeds([9, 2, 3, 4])[3] != seeds[3]
+    continued = token_seeds([3, 4], 2, token_seeds([1, 2])[-1])
+    assert continued == seeds[2:]
+    a = token_bytes(seeds, 0, 0, 8)
+    assert a.dtype == torch.uint8 and a.numel() == 32
+    assert torch.equal(a, token_bytes(seeds, 0, 0, 8))
+    assert not torch.equal(a, token_bytes(seeds, 1, 0, 8))
+    assert not torch.equal(a, token_bytes(seeds, 0, 1, 8))
+    assert checksum(a) != checksum(a.flip(0))
+
+
+def test_a_corrupted_host_block_is_never_loaded() -> None:
+    impl = OffloadImpl(cfg(gpu=5), device="cpu")
+    for call in STORE_THEN_EVICT[:-1]:
+        apply(impl, call)
+    hit_blocks = [b.block_id for b in impl.connector.cpu.blocks if b.key is not None][:1]
+    impl.workers[0].cpu_kv[0][1][hit_blocks[0], 5] ^= 0xFF
+    with pytest.raises(DataIntegrityError, match=f"cpu block {hit_blocks[0]} does not match"):
+        impl.step(64)
+
+
+def test_without_checksums_the_corruption_reaches_the_device() -> None:
+    impl = OffloadImpl(cfg(gpu=5), layout=KVLayout(checksums=False), device="cpu")
+    for call in STORE_THEN_EVICT[:-1]:
+        apply(impl, call)
+    block = next(b.block_id for b in impl.connector.cpu.blocks if b.key is not None)
+    impl.workers[0].cpu_kv[0][1][block, 5] ^= 0xFF
+    impl.step(64)
+    impl.complete_load(0)
+    assert any("layer 1 does not hold" in m for m in impl.data_mismatches())
+
+
+def test_loads_run_before_earlier_stores_on_the_copy_thread() -> None:
+    copier = CopyThread()
+    gate = threading.Event()
+    order: list[str] = []
+
+    def hold() -> None:
+        gate.wait(5)
+
+    blocker = copier.submit(CopyThread.STORE, hold)
+    store = copier.submit(CopyThread.STORE, lambda: order.append("store"))
+    load = copier.submit(CopyThread.LOAD, lambda: order.append("load"))
+    gate.set()
+    for job in (blocker, store, load):
+        job.done.wait(5)
+    assert order == ["load", "store"]
+
+
+def test_a_failed_copy_is_raised_to_whoever_waits_for_it() -> None:
+    copier = CopyThread()
+
+    def fail() -> None:
+        raise RuntimeError("copy failed")
+
+    job = copier.submit(CopyThread.LOAD, fail)
+    copier.drain()
+    assert isinstance(job.error, RuntimeError)
+
+
+def test_compute_runs_lazily_until_waited_on_or_old() -> None:
+    stream = ComputeStream(lag=1)
+    done: list[int] = []
+    stream.enqueue(7, lambda: done.append(1))
+    assert done == [] and stream.pending_targets() == {7}
+    stream.next_step()  # one step later: still within the lag
+    assert done == []
+    marker = stream.record()
+    stream.enqueue(8, lambda: done.append(2))
+    stream.run_until(marker)
+    assert done == [1] and stream.pending_targets() == {8}
+    stream.next_step()
+    stream.next_step()
+    assert done == [1, 2] and stream.pending_targets() == set()
+
+
+def test_a_caller_can_wait_for_one_given_store() -> None:
+    impl = OffloadImpl(OffloadConfig(gpu_blocks=16, cpu_blocks=8), device="cpu")
+    impl.add_request("r", list(range(40)), max_tokens=1)
+    impl.step(64)
+    event = impl.step(0).metadata.store_event
+    transfer = impl.workers[0].stores[event]
+    transfer.wait()
+    assert transfer.done()
+    assert impl.complete_store(event) is True
+    assert impl.data_mismatches() == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_host_blocks_are_pinned_and_device_blocks_on_the_gpu() -> None:
+    impl = OffloadImpl(OffloadConfig(gpu_blocks=16, cpu_blocks=8), device="cuda")
+    worker = impl.workers[0]
+    assert worker.gpu_kv[0][0].is_cuda
+    assert worker.cpu_kv[0][0].is_pinned()
