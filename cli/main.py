@@ -20,9 +20,16 @@ def main(argv: Sequence[str] | None = None) -> int:
         choices=sorted(VARIANTS),
         help="the model variant to run (default: fixed)",
     )
+    bench = sub.add_parser("bench", help="measure copy bandwidth and scheduler cost")
+    bench.add_argument("--output", help="also write the markdown report to this file")
+    bench.add_argument("--quick", action="store_true", help="a small, fast subset")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from kvoffload.model.demo import run_demo
 
         return run_demo(args.variant)
+    if args.command == "bench":
+        from kvoffload.impl.bench import run_bench
+
+        return run_bench(args.output, args.quick)
     return 2

@@ -2,8 +2,9 @@
 
 Per KV group and layer, a device tensor viewed as ``[num_gpu_blocks, bytes_per_block]``
 and a host tensor ``[num_cpu_blocks, bytes_per_block]``, page-locked when CUDA is present.
-As in vLLM, a transfer copies each (GPU block, CPU block) pair in every tensor; runs of
-consecutive ids on both sides are coalesced into one copy per run per tensor.
+As in vLLM, a transfer copies each (GPU block, CPU block) pair in every tensor, batched by
+:func:`kvoffload.impl.copy.copy_blocks`: one or two operations per run of consecutive
+host-side ids, per tensor.
 
 On CUDA, copies run on a dedicated lowest-priority stream with one event per transfer; a
 store first waits on an event recorded on the compute stream after the step's KV writes
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from kvoffload.impl.content import INITIAL_SEED, checksum, token_bytes, token_seeds
+from kvoffload.impl.copy import copy_blocks
 from kvoffload.impl.streams import ComputeStream, CopyJob, CopyThread
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import DataIntegrityError
@@ -36,24 +38,6 @@ class KVLayout:
     bytes_per_token: int = 8
     checksums: bool = True
     compute_lag: int = 1
-
-
-def coalesce(src: Sequence[int], dst: Sequence[int]) -> list[tuple[int, int, int]]:
-    """Runs ``(src_start, dst_start, length)`` where both sides are consecutive."""
-    runs: list[tuple[int, int, int]] = []
-    for s, d in zip(src, dst, strict=True):
-        if runs:
-            s0, d0, n = runs[-1]
-            if s == s0 + n and d == d0 + n:
-                runs[-1] = (s0, d0, n + 1)
-                continue
-        runs.append((s, d, 1))
-    return runs
-
-
-def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[tuple[int, int, int]]) -> None:
-    for s, d, n in runs:
-        dst[d : d + n].copy_(src[s : s + n], non_blocking=True)
 
 
 class Transfer:
@@ -176,21 +160,21 @@ class Worker:
     def submit_load(self, event: int, gpu_ids: Sequence[int], cpu_ids: Sequence[int]) -> None:
         if self.layout.checksums:
             self.check_sums(cpu_ids)
-        runs = coalesce(cpu_ids, gpu_ids)
-        self.loads[event] = self._launch(runs, to_device=True, wait_compute=True)
+        self.loads[event] = self._launch(cpu_ids, gpu_ids, to_device=True, wait_compute=True)
 
     def submit_store(self, event: int, gpu_ids: Sequence[int], cpu_ids: Sequence[int]) -> None:
         for cpu_id in cpu_ids:
             self.sums.pop(cpu_id, None)
-        runs = coalesce(gpu_ids, cpu_ids)
-        self.stores[event] = self._launch(runs, to_device=False, wait_compute=self.store_waits())
+        self.stores[event] = self._launch(
+            gpu_ids, cpu_ids, to_device=False, wait_compute=self.store_waits()
+        )
 
     def store_waits(self) -> bool:
         """A store reads KV only after the step's compute (vLLM #45704)."""
         return True
 
     def _launch(
-        self, runs: list[tuple[int, int, int]], to_device: bool, wait_compute: bool
+        self, src_ids: Sequence[int], dst_ids: Sequence[int], to_device: bool, wait_compute: bool
     ) -> Transfer:
         pairs = [(cpu, gpu) if to_device else (gpu, cpu) for gpu, cpu in self.tensors()]
         if self.cuda:
@@ -200,7 +184,7 @@ class Worker:
                 if wait_compute:
                     self.copy_stream.wait_event(after_compute)
                 for src, dst in pairs:
-                    copy_runs(src, dst, runs)
+                    copy_blocks(src, dst, src_ids, dst_ids)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             return Transfer(event=done)
@@ -210,7 +194,7 @@ class Worker:
             if wait_compute:
                 self.compute.run_until(marker)
             for src, dst in pairs:
-                copy_runs(src, dst, runs)
+                copy_blocks(src, dst, src_ids, dst_ids)
 
         priority = CopyThread.LOAD if to_device else CopyThread.STORE
         return Transfer(job=self.copier.submit(priority, run))

@@ -11,25 +11,44 @@ from scenarios import STORE_THEN_EVICT, cfg
 
 from kvoffload.impl import KVLayout, OffloadImpl
 from kvoffload.impl.content import checksum, token_bytes, token_seeds
+from kvoffload.impl.copy import copy_blocks, host_runs
 from kvoffload.impl.streams import ComputeStream, CopyThread
-from kvoffload.impl.worker import coalesce, copy_runs
 from kvoffload.model import DataIntegrityError, OffloadConfig
 
 
-def test_coalesce_joins_runs_consecutive_on_both_sides() -> None:
-    assert coalesce([3, 4, 5, 9, 10], [1, 2, 3, 7, 9]) == [(3, 1, 3), (9, 7, 1), (10, 9, 1)]
-    assert coalesce([], []) == []
+def test_host_runs_group_pairs_by_consecutive_host_ids() -> None:
+    assert host_runs([1, 2, 3, 7, 9], [5, 9, 6, 0, 1]) == [(1, [5, 9, 6]), (7, [0]), (9, [1])]
+    assert host_runs([], []) == []
 
 
-def test_copy_runs_moves_exactly_the_paired_blocks() -> None:
-    src = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4)
+@pytest.mark.parametrize(
+    ("src_ids", "dst_ids"),
+    [([1, 2, 3, 6], [4, 5, 6, 0]), ([7, 1, 5, 2], [0, 1, 2, 3]), ([3], [3]), ([], [])],
+)
+def test_copy_blocks_moves_exactly_the_paired_blocks(
+    src_ids: list[int], dst_ids: list[int]
+) -> None:
+    src = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4) + 1
     dst = torch.zeros(8, 4, dtype=torch.uint8)
-    pairs = ([1, 2, 3, 6], [4, 5, 6, 0])
-    copy_runs(src, dst, coalesce(*pairs))
-    for s, d in zip(*pairs, strict=True):
+    copy_blocks(src, dst, src_ids, dst_ids)
+    for s, d in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(dst[d], src[s])
-    untouched = [i for i in range(8) if i not in pairs[1]]
+    untouched = [i for i in range(8) if i not in dst_ids]
     assert not dst[untouched].any()
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("to_device", [True, False])
+def test_copy_blocks_across_devices(to_device: bool) -> None:
+    host = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4).pin_memory()
+    dev = torch.zeros(8, 4, dtype=torch.uint8, device="cuda")
+    src, dst = (host, dev) if to_device else (dev.copy_(host.flip(0)), host.clone())
+    src_ids, dst_ids = [7, 1, 5, 2, 3], [0, 1, 2, 6, 4]
+    copy_blocks(src, dst, src_ids, dst_ids)
+    torch.cuda.synchronize()
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(dst[d].cpu(), src[s].cpu())
 
 
 def test_content_is_a_function_of_the_prefix_group_and_layer() -> None:
