@@ -120,31 +120,48 @@ class OffloadImpl:
         )
 
     def complete_store(self, event: int, worker: int = 0) -> bool:
-        reported = self._store_reports.get(event, set())
-        counter = self.connector.next_store_event
-        require_completion(self.config, "store", event, worker, counter, reported)
-        if self.workers:
-            self.workers[worker].wait_store(event)
-        self._store_reports[event] = reported | {worker}
+        """Worker ``worker`` reports store ``event`` (after waiting for its copy); True when
+        every worker has."""
+        reported = self._accept("store", event, worker)
         live = self.connector.stores.get(event)
         self.connector.report(set(), {event: 1})
         if live is not None and event not in self.connector.stores:
             for w in self.workers:
                 w.seal([b.block_id for b in live.cpu])
-        return len(self._store_reports[event]) == self.config.world_size
+        return len(reported) == self.config.world_size
 
     def complete_load(self, event: int, worker: int = 0) -> tuple[str, ...]:
-        reported = self._load_reports.get(event, set())
-        counter = self.connector.next_load_event
-        require_completion(self.config, "load", event, worker, counter, reported)
-        if self.workers:
-            self.workers[worker].wait_load(event)
-        self._load_reports[event] = reported | {worker}
-        if len(self._load_reports[event]) < self.config.world_size:
+        """Worker ``worker`` reports load ``event`` (after waiting for its copy); returns the
+        requests whose load is complete on every worker (empty until the last reports)."""
+        reported = self._accept("load", event, worker)
+        if len(reported) < self.config.world_size:
             return ()
         finished = tuple(self.connector.load_events.get(event, ()))
         self.engine.loads_done(set(finished))
         return finished
+
+    def _accept(self, kind: str, event: int, worker: int) -> set[int]:
+        """Validate a completion, wait for that worker's copy, record the report."""
+        table = self._store_reports if kind == "store" else self._load_reports
+        counter = (
+            self.connector.next_store_event if kind == "store" else self.connector.next_load_event
+        )
+        reported = table.get(event, set())
+        require_completion(self.config, kind, event, worker, counter, reported)
+        if self.workers:
+            w = self.workers[worker]
+            (w.wait_store if kind == "store" else w.wait_load)(event)
+        table[event] = reported | {worker}
+        return table[event]
+
+    def ready(self, kind: str) -> list[tuple[int, int]]:
+        """Outstanding (event, worker) completions whose copies have finished: polled, never
+        waited for, as a worker reports them each step."""
+        pending = self.outstanding(kind)
+        if not self.workers:
+            return pending
+        copies = [w.stores if kind == "store" else w.loads for w in self.workers]
+        return [(e, w) for e, w in pending if e not in copies[w] or copies[w][e].done()]
 
     def lookup(self, tokens: Sequence[int]) -> int:
         prompt = require_tokens(tokens)

@@ -5,6 +5,23 @@ from __future__ import annotations
 from kvoffload.model import OffloadConfig, OffloadModel
 
 
+def config(
+    gpu_blocks: int = 32,
+    cpu_blocks: int = 16,
+    group_block_sizes: tuple[int, ...] = (16,),
+    hash_block_size: int | None = None,
+    world_size: int = 1,
+) -> OffloadConfig:
+    """A configuration; the hash block size defaults to the smallest group block size."""
+    return OffloadConfig(
+        gpu_blocks,
+        cpu_blocks,
+        group_block_sizes,
+        hash_block_size or min(group_block_sizes),
+        world_size,
+    )
+
+
 def make(
     gpu_blocks: int = 32,
     cpu_blocks: int = 16,
@@ -14,14 +31,8 @@ def make(
     variant: str = "fixed",
 ) -> OffloadModel:
     """A model that checks every invariant after every call."""
-    config = OffloadConfig(
-        gpu_blocks=gpu_blocks,
-        cpu_blocks=cpu_blocks,
-        group_block_sizes=group_block_sizes,
-        hash_block_size=hash_block_size or min(group_block_sizes),
-        world_size=world_size,
-    )
-    return OffloadModel(config, variant=variant, check=True)
+    cfg = config(gpu_blocks, cpu_blocks, group_block_sizes, hash_block_size, world_size)
+    return OffloadModel(cfg, variant=variant, check=True)
 
 
 def complete_all_stores(model: OffloadModel) -> list[int]:

@@ -2,22 +2,11 @@
 
 from __future__ import annotations
 
-from lockstep import Call
-
 from kvoffload.model import OffloadConfig
 
+from helpers import config as cfg
 from helpers import prompt
-
-
-def cfg(
-    gpu: int = 32,
-    cpu: int = 16,
-    groups: tuple[int, ...] = (16,),
-    hbs: int | None = None,
-    world: int = 1,
-) -> OffloadConfig:
-    return OffloadConfig(gpu, cpu, groups, hbs or min(groups), world)
-
+from lockstep import Call
 
 P33, P40, P64 = prompt(33), prompt(40), prompt(64)
 STORE_THEN_EVICT: list[Call] = [
@@ -49,16 +38,16 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         ],
     ),
     "load-after-gpu-eviction": (
-        cfg(gpu=5),
+        cfg(5),
         [*STORE_THEN_EVICT, ("lookup", P40), ("drain",), ("step", 64), ("step", 0), ("drain",)],
     ),
-    "finish-during-load": (cfg(gpu=5), [*STORE_THEN_EVICT, ("finish", "b"), ("drain",)]),
+    "finish-during-load": (cfg(5), [*STORE_THEN_EVICT, ("finish", "b"), ("drain",)]),
     "reset-during-load": (
-        cfg(gpu=5),
+        cfg(5),
         [*STORE_THEN_EVICT, ("reset",), ("drain",), ("step", 64), ("reset",)],
     ),
     "capacity-retry": (
-        cfg(cpu=3),
+        cfg(cpu_blocks=3),
         [
             ("add", "r", P64, 8),
             *[("step", 16)] * 4,
@@ -71,11 +60,11 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         ],
     ),
     "final-flush-capacity": (
-        cfg(cpu=3),
+        cfg(cpu_blocks=3),
         [("add", "r", prompt(65), 1), ("step", 80), ("step", 0), ("drain",)],
     ),
     "two-workers-report-apart": (
-        cfg(world=2),
+        cfg(world_size=2),
         [
             ("add", "r", P33, 1),
             ("step", 64),
@@ -103,7 +92,7 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         ],
     ),
     "shared-prefix-in-flight": (
-        cfg(groups=(4,)),
+        cfg(group_block_sizes=(4,)),
         [
             ("add", "a", prompt(8), 5),
             ("step", 8),
@@ -116,7 +105,7 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         ],
     ),
     "failed-allocation-keeps-lookup-pin": (
-        cfg(gpu=5),
+        cfg(5),
         [
             ("add", "a", P40, 1),
             ("step", 64),

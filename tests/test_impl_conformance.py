@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lockstep import first_disagreement
-from scenarios import SCENARIOS
 
 from kvoffload.impl import FAULTS
+
+from lockstep import first_disagreement
+from scenarios import SCENARIOS
 
 # The scenario in which each fault first changes observable behaviour.
 FAULT_SCENARIO = {

@@ -6,14 +6,16 @@ import threading
 
 import pytest
 import torch
-from lockstep import apply
-from scenarios import STORE_THEN_EVICT, cfg
 
 from kvoffload.impl import KVLayout, OffloadImpl
 from kvoffload.impl.content import checksum, token_bytes, token_seeds
 from kvoffload.impl.copy import copy_blocks, host_runs
 from kvoffload.impl.streams import ComputeStream, CopyThread
 from kvoffload.model import DataIntegrityError, OffloadConfig
+
+from helpers import config as cfg
+from lockstep import apply
+from scenarios import STORE_THEN_EVICT
 
 
 def test_host_runs_group_pairs_by_consecutive_host_ids() -> None:
@@ -66,7 +68,7 @@ def test_content_is_a_function_of_the_prefix_group_and_layer() -> None:
 
 
 def test_a_corrupted_host_block_is_never_loaded() -> None:
-    impl = OffloadImpl(cfg(gpu=5), device="cpu")
+    impl = OffloadImpl(cfg(5), device="cpu")
     for call in STORE_THEN_EVICT[:-1]:
         apply(impl, call)
     hit_blocks = [b.block_id for b in impl.connector.cpu.blocks if b.key is not None][:1]
@@ -76,7 +78,7 @@ def test_a_corrupted_host_block_is_never_loaded() -> None:
 
 
 def test_without_checksums_the_corruption_reaches_the_device() -> None:
-    impl = OffloadImpl(cfg(gpu=5), layout=KVLayout(checksums=False), device="cpu")
+    impl = OffloadImpl(cfg(5), layout=KVLayout(checksums=False), device="cpu")
     for call in STORE_THEN_EVICT[:-1]:
         apply(impl, call)
     block = next(b.block_id for b in impl.connector.cpu.blocks if b.key is not None)
@@ -128,6 +130,18 @@ def test_compute_runs_lazily_until_waited_on_or_old() -> None:
     stream.next_step()
     stream.next_step()
     assert done == [1, 2] and stream.pending_targets() == set()
+
+
+def test_ready_polls_copies_without_waiting() -> None:
+    impl = OffloadImpl(OffloadConfig(gpu_blocks=16, cpu_blocks=8, world_size=2), device="cpu")
+    impl.add_request("r", list(range(40)), max_tokens=1)
+    impl.step(64)
+    event = impl.step(0).metadata.store_event
+    for worker in impl.workers:
+        worker.stores[event].wait()
+    assert impl.ready("store") == [(event, 0), (event, 1)]
+    impl.complete_store(event, 1)
+    assert impl.ready("store") == [(event, 0)]
 
 
 def test_a_caller_can_wait_for_one_given_store() -> None:
