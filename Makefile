@@ -25,6 +25,7 @@ verify: venv
 	$(BIN)/kvoffload demo
 
 test: venv
+	$(BIN)/kvoffload prove
 	$(BIN)/python -m pytest
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .

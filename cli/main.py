@@ -23,11 +23,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench = sub.add_parser("bench", help="measure copy bandwidth and scheduler cost")
     bench.add_argument("--output", help="also write the markdown report to this file")
     bench.add_argument("--quick", action="store_true", help="a small, fast subset")
+    prove = sub.add_parser("prove", help="check the z3 proofs of the model's invariants")
+    prove.add_argument("--verbose", action="store_true", help="print every witness")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from kvoffload.model.demo import run_demo
 
         return run_demo(args.variant)
+    if args.command == "prove":
+        from kvoffload.proofs.run import run_prove
+
+        return run_prove(args.verbose)
     if args.command == "bench":
         from kvoffload.impl.bench import run_bench
 

@@ -53,7 +53,12 @@ def extend_digests(digests: list[str], tokens: Sequence[int], hash_block_size: i
 
 
 def prefix_digests(tokens: Sequence[int], hash_block_size: int) -> list[str]:
-    """The digests of every full hash block of ``tokens``."""
+    """The digests of every full hash block of ``tokens``.
+
+    pre: hash_block_size > 0
+    post: len(__return__) == len(tokens) // hash_block_size
+    post: all(len(d) == 16 for d in __return__)
+    """
     digests: list[str] = []
     extend_digests(digests, tokens, hash_block_size)
     return digests
@@ -67,7 +72,13 @@ def fine_key(digests: Sequence[str], j: int, group: int, hash_block_size: int) -
 def block_keys(
     digests: Sequence[str], group: int, block_size: int, hash_block_size: int
 ) -> list[BlockKey]:
-    """The key of every full block of ``group`` that ``digests`` covers."""
+    """The key of every full block of ``group`` that ``digests`` covers.
+
+    pre: hash_block_size > 0 and block_size > 0 and block_size % hash_block_size == 0
+    post: len(__return__) == len(digests) // (block_size // hash_block_size)
+    post: all(key.group == group for key in __return__)
+    post: all(key.num_tokens == (i + 1) * block_size for i, key in enumerate(__return__))
+    """
     m = block_size // hash_block_size
     return [
         BlockKey(group, (i + 1) * block_size, digests[(i + 1) * m - 1])

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from kvoffload.model.arith import hit_length
 from kvoffload.model.block_pool import Block, BlockPool
 from kvoffload.model.keys import block_keys
 
@@ -30,7 +31,6 @@ def find_longest_cache_hit(
 ) -> tuple[tuple[list[Block], ...], int]:
     """The blocks of the longest hit after ``num_computed_tokens``, and its length."""
     hits: list[list[Block]] = []
-    hit_length = max_length
     for g, block_size in enumerate(config.group_block_sizes):
         keys = block_keys(digests, g, block_size, config.hash_block_size)
         start = num_computed_tokens // block_size
@@ -40,13 +40,8 @@ def find_longest_cache_hit(
             if block is None:
                 break
             found.append(block)
-        group_hit = len(found) * block_size
-        group_hit -= group_hit % config.scheduler_block_size
-        hit_length = min(hit_length, group_hit)
         hits.append(found)
-    hit_length = max(hit_length, 0)
-    blocks = tuple(
-        found[: hit_length // block_size]
-        for found, block_size in zip(hits, config.group_block_sizes, strict=True)
-    )
-    return blocks, hit_length
+    sizes = list(config.group_block_sizes)
+    hit = hit_length([len(f) for f in hits], sizes, config.scheduler_block_size, max(max_length, 0))
+    blocks = tuple(found[: hit // size] for found, size in zip(hits, sizes, strict=True))
+    return blocks, hit

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
+from kvoffload.model.arith import lookup_limit, plan_selection, ready_blocks
 from kvoffload.model.block_pool import Block, BlockPool
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.lookup import find_longest_cache_hit
@@ -178,7 +179,7 @@ class OffloadScheduler:
         if len(request.digests) <= num_computed_tokens // self.hash_block_size:
             return 0, False
         # At least the last token is recomputed, to sample from it.
-        max_hit_len = request.num_tokens - 1 - num_computed_tokens
+        max_hit_len = lookup_limit(request.num_tokens, num_computed_tokens)
         if max_hit_len <= 0:
             return 0, False
         blocks, hit = find_longest_cache_hit(
@@ -331,39 +332,35 @@ class OffloadScheduler:
         stops for capacity, the blocks it did not reach are recorded as dropped.
         """
         request = state.request
-        aligned = request.num_computed_tokens // self.block_size * self.block_size
         num_free = self.cpu_pool.num_free_blocks
-        selected: list[int] = []
-        picks: list[PickRecord] = []
-        advanced = [0] * len(block_ids)
+        candidates = [
+            [
+                (i, self.gpu_pool.blocks[ids[i]])
+                for i in range(
+                    state.num_stored_blocks[g],
+                    ready_blocks(request.num_computed_tokens, self.block_size, size, len(ids)),
+                )
+            ]
+            for g, (ids, size) in enumerate(zip(block_ids, self.group_block_sizes, strict=True))
+        ]
+        reasons = [[self._classify(block) for _, block in group] for group in candidates]
+        picks, advanced, full = plan_selection(
+            [[reason is None for reason in group] for group in reasons], num_free
+        )
         marks = self.dispositions[request.request_id]
-        full = False
-        for g, ids in enumerate(block_ids):
-            if len(selected) >= num_free:
-                full = True
-                break
-            ready = min(len(ids), aligned // self.group_block_sizes[g])
-            for i in range(state.num_stored_blocks[g], ready):
-                block = self.gpu_pool.blocks[ids[i]]
-                reason = self._classify(block)
-                if reason is not None:
-                    marks[g].setdefault(i, reason)
-                    advanced[g] += 1
-                    continue
-                if len(selected) >= num_free:
-                    full = True
-                    break
-                picks.append(self._observe(block))
-                selected.append(block.block_id)
-                marks[g][i] = Disposition.STORED
-                advanced[g] += 1
+        chosen = [[candidates[g][j][1] for j in group] for g, group in enumerate(picks)]
+        observed = [self._observe(block) for group in chosen for block in group]
+        selected = [block.block_id for group in chosen for block in group]
+        for g, group in enumerate(candidates):
+            for j in range(advanced[g]):
+                i, _ = group[j]
+                marks[g].setdefault(i, reasons[g][j] or Disposition.STORED)
         if final_flush and full:
-            for g, ids in enumerate(block_ids):
-                ready = min(len(ids), aligned // self.group_block_sizes[g])
-                for i in range(ready):
+            for g, group in enumerate(candidates):
+                for i, _ in group:
                     marks[g].setdefault(i, Disposition.DROPPED_CAPACITY)
         self.selection_log.append(
-            SelectionRecord(request.request_id, final_flush, num_free, tuple(picks))
+            SelectionRecord(request.request_id, final_flush, num_free, tuple(observed))
         )
         return selected, advanced
 

@@ -1,0 +1,108 @@
+"""The pure arithmetic and selection rules of the offload scheduler, with contracts.
+
+The model calls these helpers, and ``crosshair check --analysis_kind=PEP316`` checks their
+``pre:``/``post:`` conditions symbolically (``tests/test_contracts.py``). Each is a rule
+vLLM applies inline; here it has one definition and a stated contract.
+"""
+
+from __future__ import annotations
+
+
+def align_down(tokens: int, alignment: int) -> int:
+    """The largest multiple of ``alignment`` not above ``tokens``.
+
+    pre: tokens >= 0
+    pre: alignment > 0
+    post: 0 <= __return__ <= tokens
+    post: __return__ % alignment == 0
+    post: tokens - __return__ < alignment
+    """
+    return tokens // alignment * alignment
+
+
+def ready_blocks(
+    num_computed: int, scheduler_block_size: int, group_block_size: int, table_len: int
+) -> int:
+    """How many of a group's blocks ``num_computed`` confirmed tokens fill completely, counted
+    at the scheduler's alignment and capped at the block table's length.
+
+    pre: num_computed >= 0 and table_len >= 0
+    pre: scheduler_block_size > 0 and group_block_size > 0
+    pre: scheduler_block_size % group_block_size == 0
+    post: 0 <= __return__ <= table_len
+    post: __return__ * group_block_size <= num_computed
+    """
+    return min(table_len, align_down(num_computed, scheduler_block_size) // group_block_size)
+
+
+def lookup_limit(num_tokens: int, num_computed: int) -> int:
+    """The most tokens a lookup may hit: the last token is always recomputed.
+
+    pre: 0 <= num_computed <= num_tokens
+    post: num_computed + __return__ < num_tokens
+    """
+    return num_tokens - 1 - num_computed
+
+
+def plan_selection(
+    storable: list[list[bool]], num_free: int
+) -> tuple[list[list[int]], list[int], bool]:
+    """The eager store selection over each group's candidates (from its cursor to its
+    confirmed blocks): the positions to store, how far each cursor advances, and whether
+    the CPU pool ran out. A candidate that may not be stored is passed over; a storable one
+    is taken while the CPU pool has room; at the first one without room, the selection
+    stops, and that block is retried later (or dropped, at the final flush).
+
+    pre: num_free >= 0
+    post: sum(len(picks) for picks in __return__[0]) <= num_free
+    post: len(__return__[0]) == len(storable) == len(__return__[1])
+    post: all(0 <= __return__[1][g] <= len(storable[g]) for g in range(len(storable)))
+    post: _picks_are_storable_and_reached(storable, __return__[0], __return__[1])
+    post: _reached_storable_are_picked(storable, __return__[0], __return__[1])
+    post: __return__[2] or all(__return__[1][g] == len(storable[g]) for g in range(len(storable)))
+    """
+    picks: list[list[int]] = [[] for _ in storable]
+    advanced = [0] * len(storable)
+    taken = 0
+    for g, flags in enumerate(storable):
+        if taken >= num_free:
+            return picks, advanced, True
+        for i, ok in enumerate(flags):
+            if ok:
+                if taken >= num_free:
+                    return picks, advanced, True
+                picks[g].append(i)
+                taken += 1
+            advanced[g] += 1
+    return picks, advanced, False
+
+
+def _picks_are_storable_and_reached(
+    storable: list[list[bool]], picks: list[list[int]], advanced: list[int]
+) -> bool:
+    return all(storable[g][i] and i < advanced[g] for g, ps in enumerate(picks) for i in ps)
+
+
+def _reached_storable_are_picked(
+    storable: list[list[bool]], picks: list[list[int]], advanced: list[int]
+) -> bool:
+    return all(
+        i in picks[g] for g, flags in enumerate(storable) for i in range(advanced[g]) if flags[i]
+    )
+
+
+def hit_length(found: list[int], group_sizes: list[int], alignment: int, limit: int) -> int:
+    """The hit of all groups together: each group's run of hit blocks in tokens, aligned
+    down to the scheduler block size, the shortest of them, and never above ``limit``.
+
+    pre: len(found) == len(group_sizes) > 0
+    pre: all(n >= 0 for n in found) and all(s > 0 for s in group_sizes)
+    pre: alignment > 0 and limit >= 0
+    post: 0 <= __return__ <= limit
+    post: __return__ % alignment == 0
+    post: all(__return__ <= n * s for n, s in zip(found, group_sizes))
+    """
+    hit = limit
+    for n, size in zip(found, group_sizes, strict=True):
+        hit = min(hit, align_down(n * size, alignment))
+    return align_down(hit, alignment)
