@@ -25,11 +25,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="a small, fast subset")
     prove = sub.add_parser("prove", help="check the z3 proofs of the model's invariants")
     prove.add_argument("--verbose", action="store_true", help="print every witness")
+    verify = sub.add_parser("verify", help="conformance campaign and mutation matrix")
+    verify.add_argument("--profile", choices=["fast", "ci", "nightly"], help="Hypothesis profile")
+    verify.add_argument("--seconds", type=float, help="run the campaign for this long")
+    verify.add_argument("--target", help="adapter to verify (default: impl, or impl-cuda)")
+    verify.add_argument("--no-mutants", action="store_true", help="skip the mutation matrix")
+    mutants = sub.add_parser("mutants", help="the mutation matrix: is every fault found?")
+    mutants.add_argument("--profile", choices=["fast", "ci", "nightly"])
+    mutants.add_argument("--write", help="also write the bug catalogue page to this file")
+    replay = sub.add_parser("replay", help="a saved failure as a pytest regression file")
+    replay.add_argument("failure", help="a JSON file under .hypothesis/kvoffload-failures/")
+    replay.add_argument("--output", help="write the test to this file")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from kvoffload.model.demo import run_demo
 
         return run_demo(args.variant)
+    if args.command in ("verify", "mutants", "replay"):
+        from kvoffload.testing import campaign
+
+        if args.command == "verify":
+            return campaign.run_verify(args.profile, args.seconds, args.target, not args.no_mutants)
+        if args.command == "mutants":
+            return campaign.run_mutants(args.profile, args.write)
+        return campaign.run_replay(args.failure, args.output)
     if args.command == "prove":
         from kvoffload.proofs.run import run_prove
 

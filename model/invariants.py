@@ -342,3 +342,33 @@ def check(state: Engine) -> None:
     found = violations(state)
     if found:
         raise found[0]
+
+
+def exercised(state: Engine) -> set[str]:
+    """The invariants whose subject is present in this state, so that checking them here
+    could have failed (for the campaign's coverage report)."""
+    c = state.connector
+    gpu, cpu = state.gpu_pool, c.cpu_pool
+    subjects = {
+        "POOL-QUEUE": any(b.ref_cnt for b in gpu.blocks[1:] + cpu.blocks[1:]),
+        "POOL-MAP": bool(gpu.cached or cpu.cached),
+        "POOL-PRIMARY": any(
+            b.ref_cnt == 0 and b.block_hash is not None for b in gpu.blocks[1:] + cpu.blocks[1:]
+        ),
+        "POOL-NULL": True,
+        "POOL-FRESH": bool(gpu.allocation_log or cpu.allocation_log),
+        "REF-GPU": any(b.ref_cnt for b in gpu.blocks[1:]),
+        "REF-CPU": any(b.ref_cnt for b in cpu.blocks[1:]),
+        "KEYS": any(any(n) for n in state.num_cached_blocks.values()),
+        "SKIP": any(s.picks for s in c.selection_log),
+        "CAPACITY": bool(c.selection_log),
+        "UNREACHABLE": bool(_stores(state)),
+        "REGISTERED": bool(c.completion_log),
+        "PENDING": c.has_pending_stores(),
+        "IN-FLIGHT": bool(c.in_flight_store_gpu_blocks),
+        "RESET": bool(c.reset_log),
+        "EVENTS": bool(c.store_event_counter or c.load_event_counter),
+        "FLUSH-COMPLETE": any(any(r.confirmed_blocks) for r in state.finish_records),
+        "LOAD-PINNED": bool(c.pending_cpu_hits or _loads(state)),
+    }
+    return {name for name, present in subjects.items() if present}

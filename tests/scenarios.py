@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 from kvoffload.model import OffloadConfig
+from kvoffload.testing.lockstep import Call
 
 from helpers import config as cfg
 from helpers import prompt
-from lockstep import Call
 
 P33, P40, P64 = prompt(33), prompt(40), prompt(64)
 STORE_THEN_EVICT: list[Call] = [

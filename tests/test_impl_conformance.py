@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from kvoffload.impl import FAULTS
+from kvoffload.testing.lockstep import first_disagreement
 
-from lockstep import first_disagreement
 from scenarios import SCENARIOS
 
 # The scenario in which each fault first changes observable behaviour.

@@ -12,9 +12,9 @@ from kvoffload.impl.content import checksum, token_bytes, token_seeds
 from kvoffload.impl.copy import copy_blocks, host_runs
 from kvoffload.impl.streams import ComputeStream, CopyThread
 from kvoffload.model import DataIntegrityError, OffloadConfig
+from kvoffload.testing.lockstep import apply
 
 from helpers import config as cfg
-from lockstep import apply
 from scenarios import STORE_THEN_EVICT
 
 

@@ -1,5 +1,10 @@
 """Run one program of driver calls against the model and an implementation side by side,
-comparing every result, every snapshot and the KV bytes after every call."""
+comparing every result, every snapshot and the KV bytes after every call.
+
+A program is a list of calls, each a tuple: ``("add", id, prompt, max_tokens)``,
+``("step", budget)``, ``("finish", id)``, ``("store", event, worker)``, ``("load", event,
+worker)``, ``("reset",)``, ``("lookup", prompt)`` or ``("drain",)`` (every outstanding
+completion, loads first)."""
 
 from __future__ import annotations
 
@@ -7,7 +12,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvoffload.impl import OffloadImpl
-from kvoffload.model import KVOffloadError, OffloadConfig, OffloadModel
+from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
 
 Call = tuple[Any, ...]
 
@@ -35,11 +40,30 @@ def apply(target: OffloadModel | OffloadImpl, call: Call) -> object:
     raise ValueError(f"unknown call {name!r}")
 
 
-def _outcome(target: OffloadModel | OffloadImpl, call: Call) -> object:
+def outcome(target: OffloadModel | OffloadImpl, call: Call) -> object:
+    """The call's result, or its error as ``"Type: message"``. A violated invariant of the
+    model is not an outcome: it propagates, since the specification itself is then wrong."""
     try:
         return apply(target, call)
+    except InvariantViolation:
+        raise
     except (KVOffloadError, ValueError, AssertionError) as error:
         return f"{type(error).__name__}: {error}"
+
+
+def compare(model: OffloadModel, impl: OffloadImpl, call: Call, n: int) -> str | None:
+    """Apply ``call`` to both; describe the first difference, or None."""
+    expected, actual = outcome(model, call), outcome(impl, call)
+    if expected != actual:
+        return f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
+    mine, theirs = model.snapshot(), impl.snapshot()
+    if mine != theirs:
+        fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
+        return f"call {n} {call}: snapshots differ in {fields}"
+    wrong = impl.data_mismatches()
+    if wrong:
+        return f"call {n} {call}: {wrong[0]}"
+    return None
 
 
 def first_disagreement(
@@ -52,16 +76,7 @@ def first_disagreement(
     model = OffloadModel(config, check=True)
     impl = OffloadImpl(config, faults=faults, device=device)
     for n, call in enumerate(program):
-        expected, actual = _outcome(model, call), _outcome(impl, call)
-        if expected != actual:
-            return f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
-        mine, theirs = model.snapshot(), impl.snapshot()
-        if mine != theirs:
-            fields = [
-                f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)
-            ]
-            return f"call {n} {call}: snapshots differ in {fields}"
-        wrong = impl.data_mismatches()
-        if wrong:
-            return f"call {n} {call}: {wrong[0]}"
+        found = compare(model, impl, call, n)
+        if found:
+            return found
     return None

@@ -1,0 +1,202 @@
+"""Campaigns: ``kvoffload verify`` (conformance of the implementation and the mutation
+matrix), ``kvoffload mutants`` (the matrix alone) and ``kvoffload replay`` (a saved failure
+as a pytest regression file)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hypothesis import settings
+from hypothesis.errors import Flaky
+from hypothesis.stateful import run_state_machine_as_test
+
+from kvoffload.impl import FAULTS
+from kvoffload.model.invariants import CHECKS
+from kvoffload.testing import profiles
+from kvoffload.testing.adapters import default_adapter
+from kvoffload.testing.stateful import Recorder, machine_for, reproducer, save_failure
+
+
+@dataclass
+class CampaignResult:
+    adapter: str
+    conforms: bool
+    seconds: float
+    first_failure: float | None
+    recorder: Recorder
+    failure: dict[str, Any] | None
+
+    @property
+    def shrunk_steps(self) -> int | None:
+        return None if self.failure is None else len(self.failure["program"])
+
+
+def run_campaign(
+    adapter: str, profile: settings, seconds: float | None = None, progress: bool = False
+) -> CampaignResult:
+    """Run the conformance machine on ``adapter`` until it fails, for ``profile``'s examples,
+    or (with ``seconds``) in batches until the time is spent."""
+    recorder = Recorder()
+    machine = machine_for(adapter, recorder)
+    start = time.perf_counter()
+    failure: dict[str, Any] | None = None
+    batch = (
+        settings(profile, max_examples=25, derandomize=False, database=None) if seconds else profile
+    )
+    while True:
+        try:
+            run_state_machine_as_test(machine, settings=batch)
+        except (AssertionError, Flaky):
+            failure = recorder.failure
+        elapsed = time.perf_counter() - start
+        if progress:
+            print(
+                f"\r{adapter}: {recorder.programs} programs, {recorder.steps} steps, "
+                f"{elapsed:.0f} s",
+                end="",
+                file=sys.stderr,
+                flush=True,
+            )
+        if failure is not None or seconds is None or elapsed >= seconds:
+            break
+    if progress:
+        print(file=sys.stderr)
+    if failure is not None:
+        save_failure(failure)
+    return CampaignResult(
+        adapter,
+        failure is None,
+        time.perf_counter() - start,
+        recorder.first_failure,
+        recorder,
+        failure,
+    )
+
+
+def mutation_matrix(profile: settings, progress: bool = False) -> list[CampaignResult]:
+    return [run_campaign(f"fault:{name}", profile, progress=progress) for name in FAULTS]
+
+
+def mutation_table(results: list[CampaignResult]) -> str:
+    lines = [
+        "| fault | found | seconds to first failure | steps in shrunk counterexample |",
+        "|---|---|---|---|",
+    ]
+    for r in results:
+        found = not r.conforms
+        first = f"{r.first_failure:.1f}" if r.first_failure is not None else "-"
+        steps = str(r.shrunk_steps) if r.shrunk_steps is not None else "-"
+        name = r.adapter.removeprefix("fault:")
+        lines.append(f"| {name} | {'yes' if found else 'NO'} | {first} | {steps} |")
+    return "\n".join(lines)
+
+
+def coverage(rec: Recorder) -> str:
+    rules = ", ".join(f"{name} {n}" for name, n in sorted(rec.rules.items()))
+    invariants = ", ".join(f"{name} {rec.invariants.get(name, 0)}" for name in CHECKS)
+    return (
+        f"{rec.programs} programs, {rec.steps} steps\n"
+        f"rules: {rules}\n"
+        f"invariants exercised (steps with something to check): {invariants}"
+    )
+
+
+def run_verify(
+    profile_name: str | None, seconds: float | None, target: str | None, mutants: bool
+) -> int:
+    profile = profiles.load(profile_name)
+    adapter = target or default_adapter()
+    result = run_campaign(adapter, profile, seconds=seconds, progress=True)
+    print(f"conformance of {adapter}: {'conforms' if result.conforms else 'DISAGREES'}")
+    print(coverage(result.recorder))
+    if result.failure is not None:
+        print("\n" + result.failure["disagreement"])
+        print("\nreproduce with:\n" + reproducer(result.failure))
+    ok = result.conforms
+    if mutants:
+        matrix = mutation_matrix(profile, progress=True)
+        print("\nmutation matrix:\n" + mutation_table(matrix))
+        ok = ok and all(not r.conforms for r in matrix)
+    return 0 if ok else 1
+
+
+def run_mutants(profile_name: str | None, write: str | None) -> int:
+    profile = profiles.load(profile_name)
+    matrix = mutation_matrix(profile, progress=True)
+    table = mutation_table(matrix)
+    print(table)
+    if write:
+        Path(write).write_text(bugs_page(matrix, profile_name or profiles.chosen()))
+    return 0 if all(not r.conforms for r in matrix) else 1
+
+
+def bugs_page(matrix: list[CampaignResult], profile_name: str) -> str:
+    parts = [
+        "# The fault catalogue, as the conformance machine finds it",
+        "",
+        f"Generated by `kvoffload mutants --write docs/bugs.md` under the `{profile_name}` "
+        f"profile on {time.strftime('%Y-%m-%d')}: each fault of `kvoffload.impl.faults`, the "
+        "time to its first failing program, and its shrunk counterexample as driver calls, with "
+        "what differed from the model first.",
+        "",
+        mutation_table(matrix),
+        "",
+    ]
+    for r in matrix:
+        name = r.adapter.removeprefix("fault:")
+        parts += [f"## {name}", "", FAULTS[name].summary, ""]
+        if r.failure is None:
+            parts += ["Not found in this run.", ""]
+            continue
+        calls = "\n".join(f"{n:2}. {describe(c)}" for n, c in enumerate(r.failure["program"]))
+        config = r.failure["config"]
+        parts += [
+            f"Configuration: {config['gpu_blocks']} GPU blocks, {config['cpu_blocks']} CPU blocks, "
+            f"groups of {config['group_block_sizes']} tokens, hash blocks of "
+            f"{config['hash_block_size']}, {config['world_size']} worker(s).",
+            "",
+            "```",
+            calls,
+            "```",
+            "",
+            f"First difference: {r.failure['disagreement']}",
+            "",
+        ]
+    return "\n".join(parts)
+
+
+def describe(call: list[Any]) -> str:
+    name, *args = call
+    if name == "add":
+        return f"add_request({args[0]!r}, {len(args[1])} tokens {args[1]}, max_tokens={args[2]})"
+    if name in ("store", "load"):
+        return f"complete_{name}(event={args[0]}, worker={args[1]})"
+    if name == "lookup":
+        return f"lookup({args[0]})"
+    return f"{name}({', '.join(map(repr, args))})"
+
+
+def run_replay(path: str, output: str | None) -> int:
+    failure = json.loads(Path(path).read_text())
+    name = failure["adapter"].replace(":", "_").replace("-", "_")
+    body = reproducer(failure).replace("print(first_disagreement(", "found = first_disagreement(")
+    body = body.rstrip().removesuffix(")")
+    lines = ["    " + line if line else "" for line in body.splitlines()]
+    imports = [line.strip() for line in lines[:2]]
+    text = (
+        f'"""Regression from a saved conformance failure of {failure["adapter"]}:\n'
+        f'{failure["disagreement"]}"""\n\n'
+        + "\n".join(imports)
+        + f"\n\n\ndef test_regression_{name}() -> None:\n"
+        + "\n".join(lines[3:])
+        + "\n    assert found is None, found\n"
+    )
+    if output:
+        Path(output).write_text(text)
+    print(text)
+    return 0

@@ -1,0 +1,38 @@
+"""The reusable conformance machine: the implementation conforms under it, and a fault of
+the catalogue is found, shrunk and saved as a replayable program."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from kvoffload.testing.campaign import run_campaign, run_replay
+from kvoffload.testing.stateful import machine_for
+
+SMALL = settings(max_examples=30, stateful_step_count=20, deadline=None, database=None)
+
+TestImplConforms = machine_for("impl").TestCase
+TestImplConforms.settings = SMALL
+
+
+@pytest.mark.parametrize("fault", ["no-final-flush"])
+def test_a_fault_is_found_and_shrunk(
+    fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = run_campaign(f"fault:{fault}", settings(SMALL, max_examples=200))
+    assert not result.conforms
+    assert result.failure is not None and result.shrunk_steps is not None
+    assert result.shrunk_steps <= 12
+    saved = tmp_path / ".hypothesis" / "kvoffload-failures" / f"fault-{fault}.json"
+    assert json.loads(saved.read_text())["adapter"] == f"fault:{fault}"
+    out = tmp_path / "test_regression.py"
+    assert run_replay(str(saved), str(out)) == 0
+    namespace: dict[str, object] = {}
+    exec(compile(out.read_text(), str(out), "exec"), namespace)
+    test = next(v for k, v in namespace.items() if k.startswith("test_regression"))
+    with pytest.raises(AssertionError):
+        test()  # type: ignore[operator]
