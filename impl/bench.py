@@ -210,7 +210,9 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
-def summary(copies: list[CopyResult], scheduler: list[SchedulerResult]) -> list[str]:
+def summary(
+    copies: list[CopyResult], scheduler: list[SchedulerResult], extra: Sequence[str] = ()
+) -> list[str]:
     lines = ["## Summary", ""]
     for pattern in ("sequential", "scattered"):
         ratios = [
@@ -231,7 +233,7 @@ def summary(copies: list[CopyResult], scheduler: list[SchedulerResult]) -> list[
             f"{scheduler[-1].pool_blocks:,} pool blocks: {min(totals):.1f} to {max(totals):.1f} "
             f"us, max / min {max(totals) / min(totals):.2f}; target at most 1.5."
         )
-    return [*lines, "", *NOTE.splitlines(), ""]
+    return [*lines, *extra, "", *NOTE.splitlines(), ""]
 
 
 NOTE = """\
@@ -243,7 +245,13 @@ stream, events, pinned and pageable host memory) has not been measured: no devic
 """
 
 
-def report(copies: list[CopyResult], scheduler: list[SchedulerResult], command: str) -> str:
+def report(
+    copies: list[CopyResult],
+    scheduler: list[SchedulerResult],
+    command: str,
+    extra: tuple[Sequence[str], Sequence[str]] = ((), ()),
+) -> str:
+    """The markdown report; ``extra`` is (summary lines, a section) measured elsewhere."""
     device = default_device()
     lines = [
         "# Performance",
@@ -253,7 +261,7 @@ def report(copies: list[CopyResult], scheduler: list[SchedulerResult], command: 
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         + ". Best of repeated runs; GB/s is 10^9 bytes per second.",
         "",
-        *summary(copies, scheduler),
+        *summary(copies, scheduler, extra[0]),
         "## Block copy bandwidth",
         "",
         "`batched` is the worker's path (one slice copy or indexed gather per run of",
@@ -290,10 +298,12 @@ def report(copies: list[CopyResult], scheduler: list[SchedulerResult], command: 
             + " | ".join(f"{v:.1f}" for v in values)
             + f" | {sum(values):.1f} |"
         )
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", *extra[1]]).rstrip() + "\n"
 
 
-def run_bench(output: str | None, quick: bool) -> int:
+def run_bench(
+    output: str | None, quick: bool, extra: tuple[Sequence[str], Sequence[str]] = ((), ())
+) -> int:
     device = default_device()
     copies = copy_bandwidth(
         device,
@@ -303,7 +313,7 @@ def run_bench(output: str | None, quick: bool) -> int:
     )
     scheduler = scheduler_cost([10**3, 10**4] if quick else POOL_SIZES)
     command = "kvoffload bench" + (" --quick" if quick else "")
-    text = report(copies, scheduler, command)
+    text = report(copies, scheduler, command, extra)
     if output:
         with open(output, "w") as f:
             f.write(text)

@@ -73,6 +73,10 @@ class OffloadImpl:
         )
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
+        # The data check's memory: seeds behind each key seen, expected bytes per layer.
+        self._unindexed: dict[str, ImplRequest] = {}
+        self._key_seeds: dict[BlockKey, list[int]] = {}
+        self._expected_bytes: dict[tuple[BlockKey, int], torch.Tensor] = {}
 
     @property
     def connector(self) -> Connector:
@@ -200,25 +204,12 @@ class OffloadImpl:
 
     def data_mismatches(self) -> list[str]:
         """Every registered CPU block and every keyed full GPU block whose bytes differ from
-        the content function of its key, on every worker."""
+        the content function of its key, on every worker. Keys are those of every request
+        this driver has seen, finished ones included; a block's expected bytes are computed
+        once per (key, layer), since they are a function of the key alone."""
         if not self.workers:
             return []
-        owners: dict[BlockKey, ImplRequest] = {}
-        for req in self.engine.requests.values():
-            for keys in req.block_keys():
-                for key in keys:
-                    owners.setdefault(key, req)
-        seeds: dict[str, list[int]] = {}
-        bpt = self.workers[0].layout.bytes_per_token
-
-        def expected(key: BlockKey, layer: int) -> torch.Tensor:
-            req = owners[key]
-            if req.request_id not in seeds:
-                seeds[req.request_id] = token_seeds(req.tokens)
-            size = self.config.group_block_sizes[key.group]
-            chunk = seeds[req.request_id][key.num_tokens - size : key.num_tokens]
-            return token_bytes(chunk, key.group, layer, bpt)
-
+        self._index_keys()
         problems: list[str] = []
         loading = {b.block_id for load in self.connector.loads.values() for b in load.copy.gpu}
         for w in self.workers:
@@ -228,19 +219,47 @@ class OffloadImpl:
                 ("gpu", self.engine.gpu, w.gpu_kv),
             ):
                 for block in pool.blocks[1:]:
-                    if block.key is None or block.key not in owners:
-                        continue
                     key = block.key
+                    if key is None or key not in self._key_seeds:
+                        continue
                     if not pool.has(key, block.block_id):
                         continue
-                    size = self.config.group_block_sizes[key.group]
-                    if key.num_tokens % size or (side == "gpu" and block.block_id in busy):
+                    if key.num_tokens % self.config.group_block_sizes[key.group]:
+                        continue
+                    if side == "gpu" and block.block_id in busy:
                         continue
                     for layer, tensor in enumerate(tensors[key.group]):
-                        actual = tensor[block.block_id].cpu()
-                        if not torch.equal(actual, expected(key, layer)):
+                        expected = self._expected(key, layer)
+                        if not torch.equal(tensor[block.block_id].cpu(), expected):
                             problems.append(
                                 f"worker {w.rank} {side} block {block.block_id} layer {layer} "
                                 f"does not hold the KV of {key}"
                             )
         return problems
+
+    def _index_keys(self) -> None:
+        """Record the token seeds behind every full-block key of the requests seen so far.
+        A request stays in ``_unindexed`` while live (decode adds keys), and is indexed once
+        more after it has gone."""
+        for rid, req in self.engine.requests.items():
+            self._unindexed[rid] = req
+        for rid, req in list(self._unindexed.items()):
+            seeds: list[int] | None = None
+            for keys in req.block_keys():
+                for key in keys:
+                    if key in self._key_seeds:
+                        continue
+                    if seeds is None:
+                        seeds = token_seeds(req.tokens)
+                    size = self.config.group_block_sizes[key.group]
+                    self._key_seeds[key] = seeds[key.num_tokens - size : key.num_tokens]
+            if self.engine.requests.get(rid) is not req:
+                del self._unindexed[rid]
+
+    def _expected(self, key: BlockKey, layer: int) -> torch.Tensor:
+        found = self._expected_bytes.get((key, layer))
+        if found is None:
+            bpt = self.workers[0].layout.bytes_per_token
+            found = token_bytes(self._key_seeds[key], key.group, layer, bpt)
+            self._expected_bytes[(key, layer)] = found
+        return found

@@ -182,8 +182,12 @@ class StoreSkipsComputeWait(Worker):
 
 @dataclass(frozen=True)
 class Fault:
+    """A named fault; ``breaks`` is the invariant of ``docs/spec.md`` it violates, or
+    ``KV-BYTES`` when what goes wrong is the data (a block not holding its key's KV)."""
+
     name: str
     cls: type[Connector] | type[Worker]
+    breaks: str
 
     @property
     def summary(self) -> str:
@@ -193,17 +197,17 @@ class Fault:
 FAULTS: dict[str, Fault] = {
     f.name: f
     for f in [
-        Fault("phantom-primary", PhantomPrimary),
-        Fault("no-final-flush", NoFinalFlush),
-        Fault("secondary-keys-not-copied", SecondaryKeysNotCopied),
-        Fault("flush-stores-present", FlushStoresPresent),
-        Fault("flush-ignores-capacity", FlushIgnoresCapacity),
-        Fault("pending-ignores-flush", PendingIgnoresFlush),
-        Fault("reset-leaks-flush", ResetLeaksFlush),
-        Fault("abandoned-store-registers", AbandonedStoreRegisters),
-        Fault("pin-dropped-early", PinDroppedEarly),
-        Fault("partial-completions-dropped", PartialCompletionsDropped),
-        Fault("lookup-pin-missing", LookupPinMissing),
-        Fault("store-skips-compute-wait", StoreSkipsComputeWait),
+        Fault("phantom-primary", PhantomPrimary, "REGISTERED"),
+        Fault("no-final-flush", NoFinalFlush, "FLUSH-COMPLETE"),
+        Fault("secondary-keys-not-copied", SecondaryKeysNotCopied, "REGISTERED"),
+        Fault("flush-stores-present", FlushStoresPresent, "SKIP"),
+        Fault("flush-ignores-capacity", FlushIgnoresCapacity, "CAPACITY"),
+        Fault("pending-ignores-flush", PendingIgnoresFlush, "PENDING"),
+        Fault("reset-leaks-flush", ResetLeaksFlush, "RESET"),
+        Fault("abandoned-store-registers", AbandonedStoreRegisters, "RESET"),
+        Fault("pin-dropped-early", PinDroppedEarly, "REF-GPU"),
+        Fault("partial-completions-dropped", PartialCompletionsDropped, "EVENTS"),
+        Fault("lookup-pin-missing", LookupPinMissing, "REF-CPU"),
+        Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
     ]
 }

@@ -133,15 +133,15 @@ class Worker:
         seeds = self.seeds(request_id, tokens)[start:end]
         bpt = self.layout.bytes_per_token
         for g, size in enumerate(self.config.group_block_sizes):
-            pos = start
-            while pos < end:
-                block = table[g][pos // size]
-                stop = min(end, (pos // size + 1) * size)
-                for layer, tensor in enumerate(self.gpu_kv[g]):
-                    data = token_bytes(seeds[pos - start : stop - start], g, layer, bpt)
+            for layer, tensor in enumerate(self.gpu_kv[g]):
+                data = token_bytes(seeds, g, layer, bpt)
+                pos = start
+                while pos < end:
+                    stop = min(end, (pos // size + 1) * size)
                     a, b = (pos % size) * bpt, (pos % size + stop - pos) * bpt
-                    self._compute(tensor, block, a, b, data)
-                pos = stop
+                    chunk = data[(pos - start) * bpt : (stop - start) * bpt]
+                    self._compute(tensor, table[g][pos // size], a, b, chunk)
+                    pos = stop
 
     def _compute(
         self, tensor: torch.Tensor, block: int, a: int, b: int, data: torch.Tensor

@@ -7,39 +7,41 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
 DATABASE = ".hypothesis/examples"
-_QUIET = [HealthCheck.too_slow, HealthCheck.filter_too_much, HealthCheck.data_too_large]
+
+
+def _base() -> settings:
+    """What every profile shares. One failure is enough: stop at the first disagreement and
+    shrink it, rather than hunt for more and explain each (the reproducer says what
+    differed). Programs are slow next to Hypothesis's own draws, hence no deadline."""
+    return settings(
+        deadline=None,
+        suppress_health_check=[
+            HealthCheck.too_slow,
+            HealthCheck.filter_too_much,
+            HealthCheck.data_too_large,
+        ],
+        report_multiple_bugs=False,
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    )
 
 
 def register() -> None:
-    db = DirectoryBasedExampleDatabase(DATABASE)
-    settings.register_profile(
-        "fast",
-        max_examples=60,
-        stateful_step_count=30,
-        deadline=None,
-        database=db,
-        suppress_health_check=_QUIET,
-    )
+    base, db = _base(), DirectoryBasedExampleDatabase(DATABASE)
+    settings.register_profile("fast", base, max_examples=60, stateful_step_count=30, database=db)
     settings.register_profile(
         "ci",
-        max_examples=200,
+        base,
+        max_examples=1000,
         stateful_step_count=40,
-        deadline=None,
         derandomize=True,
         database=None,
-        suppress_health_check=_QUIET,
     )
     settings.register_profile(
-        "nightly",
-        max_examples=5000,
-        stateful_step_count=60,
-        deadline=None,
-        database=db,
-        suppress_health_check=_QUIET,
+        "nightly", base, max_examples=5000, stateful_step_count=60, database=db
     )
 
 
@@ -49,6 +51,13 @@ def chosen() -> str:
 
 
 def load(name: str | None = None) -> settings:
+    """Load ``name`` (default: :func:`chosen`) as the current profile and return it."""
     register()
     settings.load_profile(name or chosen())
     return settings.get_profile(name or chosen())
+
+
+def get(name: str) -> settings:
+    """The profile ``name``, without making it the current one."""
+    register()
+    return settings.get_profile(name)

@@ -28,11 +28,32 @@ from kvoffload.testing.lockstep import Call, compare
 LAYOUTS = [((4,), 4), ((4,), 2), ((8,), 4), ((4, 8), 4)]
 FAILURES = Path(".hypothesis/kvoffload-failures")
 
-PROMPTS = st.builds(
-    lambda stem, length, tail: [(stem * 5 + i) % 7 for i in range(length)] + tail,
-    st.integers(0, 2),
-    st.integers(1, 16),
-    st.lists(st.integers(0, 3), max_size=2),
+
+# Prompts from three stems, so that prefixes are shared, with up to two tokens after the
+# stem, so that they also diverge. Half are exact block multiples without a tail: that is
+# where a full hit stops one block short and the request recomputes its last block.
+def _prompt(stem: int, length: int, tail: list[int]) -> list[int]:
+    return [(stem * 5 + i) % 7 for i in range(length)] + tail
+
+
+TAILS = st.lists(st.integers(0, 3), max_size=2)
+PROMPTS = st.one_of(
+    st.builds(_prompt, st.integers(0, 2), st.sampled_from([4, 8, 12, 16]), st.just([])),
+    st.builds(_prompt, st.integers(0, 2), st.integers(1, 16), TAILS),
+)
+# One output token half the time: the request then finishes in the step that computes its
+# last blocks, and they go out in the final flush.
+MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 6))
+SETTLE_ROUNDS = 8  # requests that deadlock on a full pool (no preemption) stop it
+BUDGETS = st.integers(0, 24)
+# Tiny pools, so that eviction, failed allocation and the CPU capacity limit happen.
+SETUP = initialize(
+    layout=st.sampled_from(LAYOUTS),
+    gpu_blocks=st.integers(4, 12),
+    # the CPU pool tiny (its capacity limits the flush) or larger than the GPU's (hits)
+    cpu_blocks=st.one_of(st.integers(2, 4), st.integers(8, 16)),
+    world_size=st.integers(1, 4),
+    first=PROMPTS,
 )
 
 
@@ -63,13 +84,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     model: OffloadModel
     target: OffloadImpl
 
-    @initialize(
-        layout=st.sampled_from(LAYOUTS),
-        gpu_blocks=st.integers(6, 12),
-        cpu_blocks=st.integers(2, 8),
-        world_size=st.integers(1, 4),
-        first=PROMPTS,
-    )
+    @SETUP
     def setup(
         self,
         layout: tuple[tuple[int, ...], int],
@@ -84,14 +99,19 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.target = type(self).adapter(self.config)
         self.program: list[Call] = []
         self.next_id = 0
+        self.prompts: list[list[int]] = []
+        self.rule_steps = 0
         type(self).recorder.programs += 1
-        self.add_request(first, 2)
+        self.admit(first, 2, "add_request")
 
-    def run(self, call: Call, rule_name: str) -> None:
+    def run(self, call: Call, rule_name: str, continued: bool = False) -> None:
+        """Apply ``call`` to both sides and compare. ``continued``: the call is not the first
+        of its rule (rules that make several calls count as one step when shrunk)."""
         rec = type(self).recorder
         rec.steps += 1
         rec.count(rec.rules, rule_name)
         self.program.append(call)
+        self.rule_steps += not continued
         found = compare(self.model, self.target, call, len(self.program) - 1)
         for invariant in exercised(self.model.engine):
             rec.count(rec.invariants, invariant)
@@ -103,6 +123,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 "config": asdict(self.config)
                 | {"group_block_sizes": list(self.config.group_block_sizes)},
                 "program": [list(c) for c in self.program],
+                "rule_steps": self.rule_steps,
                 "disagreement": found,
             }
             raise AssertionError(f"{found}\n\nreproduce with:\n{reproducer(rec.failure)}")
@@ -111,17 +132,52 @@ class ConformanceMachine(RuleBasedStateMachine):
         need = sum(-(-(len(tokens) + max_tokens - 1) // s) for s in self.config.group_block_sizes)
         return need < self.config.gpu_blocks
 
-    @rule(tokens=PROMPTS, max_tokens=st.integers(1, 4))
+    @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS)
     def add_request(self, tokens: list[int], max_tokens: int) -> None:
+        self.admit(tokens, max_tokens, "add_request")
+
+    # A repeated prompt is what offloading is for, and independent draws from PROMPTS rarely
+    # repeat one: the CPU hit paths (a hit's pin while allocation fails, a final flush over
+    # blocks already stored) need an earlier prompt again while its blocks are cached. It
+    # comes back as it was or with a new tail (a follow-up turn): a hit never covers a
+    # prompt's last token, so only a longer prompt can hit its last block.
+    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS)
+    def repeat_request(self, data: st.DataObject, tail: list[int], max_tokens: int) -> None:
+        if self.prompts:
+            earlier = data.draw(st.sampled_from(self.prompts))
+            self.admit(earlier + tail, max_tokens, "repeat_request")
+
+    def admit(self, tokens: list[int], max_tokens: int, rule_name: str) -> None:
         if len(self.model.live_requests()) >= 3 or not self.fits(tokens, max_tokens):
             return
-        self.run(("add", f"r{self.next_id}", tokens, max_tokens), "add_request")
+        self.run(("add", f"r{self.next_id}", tokens, max_tokens), rule_name)
+        self.prompts.append(tokens)
         self.next_id += 1
 
-    @rule(budget=st.integers(0, 24), steps=st.integers(1, 3))
+    @rule(budget=BUDGETS, steps=st.integers(1, 3))
     def step(self, budget: int, steps: int) -> None:
-        for _ in range(steps):
-            self.run(("step", budget), "step")
+        for n in range(steps):
+            self.run(("step", budget), "step", continued=n > 0)
+
+    # The engine running until idle (every request finished, every copy completed) in one
+    # rule: a prompt computed, stored and out of the GPU's way is then a single step, so the
+    # paths that need it (CPU hits, repeats over stored blocks) are within a few rules.
+    @rule(budget=st.integers(8, 32))
+    def settle(self, budget: int) -> None:
+        for n in range(SETTLE_ROUNDS):
+            if not self.busy():
+                return
+            self.run(("step", budget), "settle", continued=n > 0)
+            self.run(("drain",), "settle", continued=True)
+
+    def busy(self) -> bool:
+        model = self.model
+        return bool(
+            model.live_requests()
+            or model.outstanding("store")
+            or model.outstanding("load")
+            or model.has_pending_stores()
+        )
 
     @precondition(lambda self: bool(self.model.live_requests()))
     @rule(data=st.data())
@@ -142,8 +198,11 @@ class ConformanceMachine(RuleBasedStateMachine):
     def drain(self) -> None:
         self.run(("drain",), "drain")
 
-    @rule(tokens=PROMPTS)
-    def lookup(self, tokens: list[int]) -> None:
+    @rule(data=st.data(), tokens=PROMPTS)
+    def lookup(self, data: st.DataObject, tokens: list[int]) -> None:
+        again: bool = bool(self.prompts) and data.draw(st.booleans())
+        if again:
+            tokens = data.draw(st.sampled_from(self.prompts))
         self.run(("lookup", tokens), "lookup")
 
     @rule()

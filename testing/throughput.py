@@ -1,0 +1,174 @@
+"""Lockstep throughput: steps per second of the conformance machine against a trivial
+Hypothesis machine with the same rules and draws whose bodies only count, run in the same
+process with the same settings. The ratio is the share of Hypothesis's own speed that
+comparing the model and an implementation after every call leaves."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvoffload.testing.stateful import (
+    BUDGETS,
+    MAX_TOKENS,
+    PROMPTS,
+    SETUP,
+    TAILS,
+    Recorder,
+    machine_for,
+)
+
+TARGET_RATIO = 0.6
+
+
+class TrivialMachine(RuleBasedStateMachine):
+    """The conformance machine's rules and draws, with bodies that only count steps."""
+
+    steps = 0
+
+    @SETUP
+    def setup(
+        self,
+        layout: tuple[tuple[int, ...], int],
+        gpu_blocks: int,
+        cpu_blocks: int,
+        world_size: int,
+        first: list[int],
+    ) -> None:
+        self.prompts = [first]
+        self.live = [0]
+        self.count()
+
+    def count(self, n: int = 1) -> None:
+        type(self).steps += n
+
+    @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS)
+    def add_request(self, tokens: list[int], max_tokens: int) -> None:
+        self.prompts.append(tokens)
+        self.live.append(max_tokens)
+        self.count()
+
+    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS)
+    def repeat_request(self, data: st.DataObject, tail: list[int], max_tokens: int) -> None:
+        self.add_request(data.draw(st.sampled_from(self.prompts)) + tail, max_tokens)
+
+    @rule(budget=BUDGETS, steps=st.integers(1, 3))
+    def step(self, budget: int, steps: int) -> None:
+        self.count(steps)
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        self.live.remove(data.draw(st.sampled_from(self.live)))
+        self.count()
+
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def complete(self, data: st.DataObject) -> None:
+        data.draw(st.sampled_from(self.live))
+        self.count()
+
+    @rule(budget=st.integers(8, 32))
+    def settle(self, budget: int) -> None:
+        self.count(2)
+
+    @rule()
+    def drain(self) -> None:
+        self.count()
+
+    @rule(data=st.data(), tokens=PROMPTS)
+    def lookup(self, data: st.DataObject, tokens: list[int]) -> None:
+        if data.draw(st.booleans()):
+            data.draw(st.sampled_from(self.prompts))
+        self.count()
+
+    @rule()
+    def reset(self) -> None:
+        self.count()
+
+
+@dataclass
+class Throughput:
+    examples: int
+    lockstep_steps: int
+    lockstep_s: float
+    trivial_steps: int
+    trivial_s: float
+
+    @property
+    def lockstep_rate(self) -> float:
+        return self.lockstep_steps / self.lockstep_s
+
+    @property
+    def trivial_rate(self) -> float:
+        return self.trivial_steps / self.trivial_s
+
+    @property
+    def ratio(self) -> float:
+        return self.lockstep_rate / self.trivial_rate
+
+
+def measure(examples: int = 100, adapter: str = "impl", rounds: int = 2) -> Throughput:
+    """Both machines on the same derandomized settings; the best of ``rounds`` each."""
+    config = settings(
+        max_examples=examples,
+        stateful_step_count=30,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=list(HealthCheck),
+    )
+    best: Throughput | None = None
+    for _ in range(rounds):
+        recorder = Recorder()
+        start = time.perf_counter()
+        run_state_machine_as_test(machine_for(adapter, recorder), settings=config)
+        lockstep_s = time.perf_counter() - start
+        TrivialMachine.steps = 0
+        start = time.perf_counter()
+        run_state_machine_as_test(TrivialMachine, settings=config)
+        trivial_s = time.perf_counter() - start
+        run = Throughput(examples, recorder.steps, lockstep_s, TrivialMachine.steps, trivial_s)
+        if best is None or run.ratio > best.ratio:
+            best = run
+    assert best is not None
+    return best
+
+
+def report(result: Throughput, adapter: str = "impl") -> tuple[list[str], list[str]]:
+    """The summary line and the section of ``kvoffload bench`` on lockstep throughput."""
+    summary = [
+        f"- Lockstep conformance machine: {result.lockstep_rate:.0f} steps/s against "
+        f"{result.trivial_rate:.0f} for a trivial machine, ratio {result.ratio:.2f}; target at "
+        f"least {TARGET_RATIO}."
+    ]
+    section = [
+        "## Lockstep throughput",
+        "",
+        f"The conformance machine on `{adapter}` (the model with every invariant checked, the "
+        "implementation, both snapshots and the KV bytes compared after every call) against a "
+        "trivial machine with the same rules and draws whose bodies only count, in the same "
+        f"process: {result.examples} derandomized programs of up to 30 rules, best of two rounds.",
+        "",
+        "| machine | steps | seconds | steps/s |",
+        "|---|---|---|---|",
+        f"| conformance | {result.lockstep_steps} | {result.lockstep_s:.2f} "
+        f"| {result.lockstep_rate:.0f} |",
+        f"| trivial | {result.trivial_steps} | {result.trivial_s:.2f} "
+        f"| {result.trivial_rate:.0f} |",
+        "",
+    ]
+    return summary, section
+
+
+def bench_section(quick: bool) -> tuple[list[str], list[str]]:
+    return report(measure(examples=30 if quick else 100))

@@ -1,0 +1,35 @@
+"""The mutation matrix: the conformance machine, run by itself on every fault of the
+catalogue, finds each one and shrinks it to a short counterexample.
+
+Each fault runs under the ``ci`` profile (derandomized, no example database), whatever the
+profile of the run: a fault the matrix misses must be a regression of the machine, never bad
+luck, and a fresh clone must see what CI sees."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from kvoffload.impl import FAULTS
+from kvoffload.model.invariants import CHECKS
+from kvoffload.testing import profiles
+from kvoffload.testing.campaign import MAX_SHRUNK_STEPS, run_campaign
+
+
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_the_machine_finds_the_fault(
+    fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the saved failure goes under this test's folder
+    result = run_campaign(f"fault:{fault}", profiles.get("ci"))
+    assert not result.conforms, f"the conformance machine did not find {fault}"
+    assert result.failure is not None and result.shrunk_steps is not None
+    assert result.shrunk_steps <= MAX_SHRUNK_STEPS, result.failure["program"]
+    assert (tmp_path / ".hypothesis" / "kvoffload-failures" / f"fault-{fault}.json").exists()
+
+
+def test_each_fault_names_what_it_breaks() -> None:
+    known = {*CHECKS, "KV-BYTES"}
+    for name, fault in FAULTS.items():
+        assert fault.breaks in known, f"{name} breaks unknown {fault.breaks!r}"
