@@ -191,7 +191,7 @@ class Fault:
 
     @property
     def summary(self) -> str:
-        return (self.cls.__doc__ or "").split("\n\n")[0].replace("\n", " ")
+        return " ".join((self.cls.__doc__ or "").split("\n\n")[0].split())
 
 
 FAULTS: dict[str, Fault] = {

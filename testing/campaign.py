@@ -119,7 +119,7 @@ def coverage(rec: Recorder) -> str:
     rules = ", ".join(f"{name} {n}" for name, n in sorted(rec.rules.items()))
     invariants = ", ".join(f"{name} {rec.invariants.get(name, 0)}" for name in CHECKS)
     return (
-        f"{rec.programs} programs, {rec.steps} steps\n"
+        f"{rec.programs} programs, {rec.rule_steps} steps ({rec.steps} driver calls)\n"
         f"rules: {rules}\n"
         f"invariants exercised (steps with something to check): {invariants}"
     )
@@ -157,7 +157,7 @@ def matrix_verdict(matrix: list[CampaignResult]) -> str:
     longest = max((r.shrunk_steps or 0 for r in found), default=0)
     return (
         f"{len(found)} of {len(matrix)} faults found; median {median:.1f} s to the first failure "
-        f"(target {MAX_MEDIAN_SECONDS:.0f} s); longest shrunk counterexample {longest} calls "
+        f"(target {MAX_MEDIAN_SECONDS:.0f} s); longest shrunk counterexample {longest} rules "
         f"(target {MAX_SHRUNK_STEPS})"
     )
 
