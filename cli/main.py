@@ -43,6 +43,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     replay = sub.add_parser("replay", help="a saved failure as a pytest regression file")
     replay.add_argument("failure", help="a JSON file under .hypothesis/kvoffload-failures/")
     replay.add_argument("--output", help="write the test to this file")
+    install = sub.add_parser("install", help="install a vLLM release into the cache folder")
+    install.add_argument("target", help="the release, as vllm==X.Y.Z")
     args = parser.parse_args(argv)
     if args.command == "demo":
         from kvoffload.model.demo import run_demo
@@ -56,6 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "mutants":
             return campaign.run_mutants(args.profile, args.write)
         return campaign.run_replay(args.failure, args.output)
+    if args.command == "install":
+        from kvoffload.upstream.install import install_command
+
+        return install_command(args.target)
     if args.command == "prove":
         from kvoffload.proofs.run import run_prove
 

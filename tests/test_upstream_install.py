@@ -1,0 +1,49 @@
+"""The vLLM release cache: target parsing, reuse of what is installed, the environment a
+release runs in. (Installing itself needs the network: see ``kvoffload install``.)"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import kvoffload
+from kvoffload.model.errors import ConfigError
+from kvoffload.upstream.install import Cache, install, parse_target
+
+
+def test_a_target_names_one_release() -> None:
+    assert parse_target("vllm==0.29.0") == "0.29.0"
+    for bad in ["vllm", "vllm>=0.29.0", "torch==2.13.0", "vllm==0.29", "vllm==latest"]:
+        with pytest.raises(ConfigError, match=r"vllm==X\.Y\.Z"):
+            parse_target(bad)
+
+
+def _stamp(*folders: Path) -> None:
+    for folder in folders:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / ".ready").touch()
+
+
+def test_an_installed_release_is_reused(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    assert not cache.installed("0.34.0")
+    _stamp(cache.env, cache.model, cache.release("0.34.0"))
+    assert cache.installed("0.34.0") and not cache.installed("0.29.0")
+    # every part is stamped: nothing runs (no interpreter, no network is touched)
+    assert install("0.34.0", cache, log=False) == cache
+
+
+def test_an_unstamped_part_is_not_trusted(tmp_path: Path) -> None:
+    cache = Cache(tmp_path)
+    _stamp(cache.env, cache.model)
+    cache.release("0.29.0").mkdir(parents=True)  # an interrupted install: no stamp
+    assert not cache.installed("0.29.0")
+
+
+def test_a_release_runs_with_itself_and_kvoffload_importable(tmp_path: Path) -> None:
+    env = Cache(tmp_path).environment("0.29.0")
+    paths = env["PYTHONPATH"].split(":")
+    assert paths[0] == str(tmp_path / "releases" / "0.29.0")
+    assert (Path(paths[1]) / "kvoffload").resolve() == Path(kvoffload.__file__).parent.resolve()
+    assert env["HF_HUB_OFFLINE"] == "1"

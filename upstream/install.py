@@ -1,0 +1,161 @@
+"""Install vLLM releases into a cache folder, and run Python with one of them.
+
+Layout of the cache (``$KVOFFLOAD_VLLM_CACHE``, default ``~/.cache/kvoffload/vllm``):
+
+- ``env/``: a virtual environment with the CPU torch, hypothesis and the small packages that
+  vLLM's config and scheduler modules import; shared by every release;
+- ``releases/X/``: ``vllm==X`` installed there with ``--no-deps``;
+- ``model/``: a hand-written ``config.json`` of a small public architecture, since vLLM's
+  ``ModelConfig`` wants a model and the hub is not reached (``HF_HUB_OFFLINE=1``).
+
+Each part is complete once its ``.ready`` stamp exists; a present part is reused. Invariant:
+a stamp is written only after the step it stands for has succeeded, so an interrupted
+install is redone, never trusted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvoffload.model.errors import ConfigError
+
+TORCH = "torch==2.13.0"  # the CPU build on disk; the same for every release
+DEPENDENCIES = [
+    "hypothesis>=6.100",
+    "packaging",
+    "psutil",
+    "pyzmq",
+    "urllib3",
+    "regex",
+    "numpy",
+    "msgspec",
+    "pydantic",
+    "transformers>=5.16.1,<5.23.0",
+    "aiohttp",
+    "requests",
+    "pillow",
+    "pybase64",
+    "cachetools",
+    "cbor2",
+    "cloudpickle",
+    "uvloop",
+    "py-cpuinfo",
+    "prometheus_client",
+    "llguidance>=1.7.0,<1.8.0",
+    "xgrammar==0.2.8",
+    "einops",
+    # imported by 0.29.0 and 0.30.0 only, harmless later
+    "openai-harmony",
+    "openai",
+    "fastapi",
+    "partial_json_parser",
+]
+# OPT-125m's shape: vLLM's scheduler only reads max_model_len from the model config.
+MODEL_CONFIG = {
+    "architectures": ["OPTForCausalLM"],
+    "model_type": "opt",
+    "hidden_size": 768,
+    "ffn_dim": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "vocab_size": 50272,
+    "max_position_embeddings": 2048,
+    "word_embed_proj_dim": 768,
+    "do_layer_norm_before": True,
+    "torch_dtype": "float16",
+}
+_VERSION = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def default_cache() -> Path:
+    return Path(os.environ.get("KVOFFLOAD_VLLM_CACHE", Path.home() / ".cache/kvoffload/vllm"))
+
+
+def parse_target(target: str) -> str:
+    """``vllm==0.29.0`` -> ``0.29.0``; anything else is a :class:`ConfigError`."""
+    name, sep, version = target.partition("==")
+    if name != "vllm" or not sep or not _VERSION.match(version):
+        raise ConfigError(f"target {target!r} is not of the form vllm==X.Y.Z")
+    return version
+
+
+@dataclass(frozen=True)
+class Cache:
+    root: Path
+
+    @property
+    def env(self) -> Path:
+        return self.root / "env"
+
+    @property
+    def python(self) -> Path:
+        return self.env / "bin" / "python"
+
+    @property
+    def model(self) -> Path:
+        return self.root / "model"
+
+    def release(self, version: str) -> Path:
+        return self.root / "releases" / version
+
+    def installed(self, version: str) -> bool:
+        return all((p / ".ready").exists() for p in (self.env, self.model, self.release(version)))
+
+    def environment(self, version: str) -> dict[str, str]:
+        """Variables for running the cache's interpreter with release ``version`` and this
+        kvoffload importable."""
+        package_root = Path(__file__).absolute().parents[2]  # the folder holding kvoffload/
+        return os.environ | {
+            "PYTHONPATH": os.pathsep.join([str(self.release(version)), str(package_root)]),
+            "HF_HUB_OFFLINE": "1",
+            "KVOFFLOAD_VLLM_MODEL": str(self.model),
+            "KVOFFLOAD_VLLM_VERSION": version,
+        }
+
+
+def _pip(python: Path, *args: str) -> None:
+    subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
+
+
+def install(version: str, cache: Cache | None = None, log: bool = True) -> Cache:
+    """Install release ``version`` (and the shared environment) unless already there."""
+    cache = cache or Cache(default_cache())
+
+    def say(message: str) -> None:
+        if log:
+            print(message, file=sys.stderr)
+
+    if not (cache.env / ".ready").exists():
+        say(f"creating the shared environment in {cache.env}")
+        subprocess.run([sys.executable, "-m", "venv", str(cache.env)], check=True)
+        _pip(cache.python, TORCH)
+        _pip(cache.python, *DEPENDENCIES)
+        # pulled in by xgrammar, a gigabyte, never imported by the scheduler side
+        subprocess.run(
+            [str(cache.python), "-m", "pip", "uninstall", "-q", "-y", "triton"], check=False
+        )
+        (cache.env / ".ready").touch()
+    if not (cache.model / ".ready").exists():
+        cache.model.mkdir(parents=True, exist_ok=True)
+        (cache.model / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
+        (cache.model / ".ready").touch()
+    target = cache.release(version)
+    if not (target / ".ready").exists():
+        say(f"installing vllm=={version} into {target}")
+        target.mkdir(parents=True, exist_ok=True)
+        _pip(cache.python, "--no-deps", "--upgrade", "--target", str(target), f"vllm=={version}")
+        (target / ".ready").touch()
+    return cache
+
+
+def install_command(target: str) -> int:
+    """``kvoffload install vllm==X``: install (or find) the release, print where it is."""
+    cache = install(parse_target(target))
+    print(cache.release(parse_target(target)))
+    return 0

@@ -1,0 +1,170 @@
+"""vLLM's scheduler-side offload objects, built without an engine, a GPU or a model download.
+
+Run only in a release's environment (``kvoffload.upstream.install.Cache.environment``): it
+imports vLLM. Every difference between releases that the adapter meets lives in this module.
+
+``build(config)`` returns a :class:`World`: vLLM's GPU ``BlockPool`` and its
+``SimpleCPUOffloadScheduler`` bound to it, sized like ``config`` (GPU and CPU pools counting
+their null block, one full-attention group per KV group, hash blocks of
+``config.hash_block_size`` tokens), plus what requests need (the block hasher, sampling
+parameters).
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.model.config import OffloadConfig
+
+# Layer shape of every group: the scheduler never looks at bytes, only at block counts.
+NUM_KV_HEADS, HEAD_SIZE, MAX_MODEL_LEN = 1, 8, 2048
+
+
+def version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
+
+
+def keywords(cls: Any, **candidates: Any) -> dict[str, Any]:
+    """The candidates ``cls`` accepts: fields appear and vanish between releases."""
+    accepted = inspect.signature(cls).parameters
+    return {k: v for k, v in candidates.items() if k in accepted}
+
+
+@dataclass
+class World:
+    vllm_config: Any
+    kv_cache_config: Any
+    gpu_pool: Any
+    scheduler: Any
+    block_hasher: Any
+    sampling_params: Any
+    bytes_per_block: int
+
+
+def supported(config: OffloadConfig) -> str | None:
+    """Why vLLM rejects ``config``, or None. One group must hash whole blocks (vLLM's
+    ``UnitaryKVCacheCoordinator`` asserts ``hash_block_size == block_size``)."""
+    sizes = config.group_block_sizes
+    if len(sizes) == 1 and config.hash_block_size != sizes[0]:
+        return "a single KV group needs hash blocks of its block size"
+    return None
+
+
+def build(config: OffloadConfig) -> World:
+    import torch
+    from vllm.config import (
+        CacheConfig,
+        DeviceConfig,
+        KVTransferConfig,
+        ModelConfig,
+        SchedulerConfig,
+        VllmConfig,
+    )
+    from vllm.sampling_params import SamplingParams
+    from vllm.utils.hashing import sha256
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+    from vllm.v1.kv_cache_interface import (
+        FullAttentionSpec,
+        KVCacheConfig,
+        KVCacheGroupSpec,
+        KVCacheTensor,
+    )
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    model = ModelConfig(
+        model=os.environ["KVOFFLOAD_VLLM_MODEL"],
+        trust_remote_code=True,
+        dtype="float16",
+        max_model_len=MAX_MODEL_LEN,
+    )
+    vllm_config = VllmConfig(
+        model_config=model,
+        scheduler_config=SchedulerConfig(
+            **keywords(
+                SchedulerConfig,
+                max_num_batched_tokens=MAX_MODEL_LEN,
+                max_model_len=MAX_MODEL_LEN,
+                enable_chunked_prefill=True,
+                is_encoder_decoder=False,
+            )
+        ),
+        cache_config=CacheConfig(
+            block_size=max(config.group_block_sizes), enable_prefix_caching=True
+        ),
+        kv_transfer_config=KVTransferConfig(
+            kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"
+        ),
+        device_config=DeviceConfig("cpu"),
+    )
+    specs = [
+        FullAttentionSpec(
+            block_size=size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
+        )
+        for size in config.group_block_sizes
+    ]
+    groups = [KVCacheGroupSpec([f"layer.{g}"], spec) for g, spec in enumerate(specs)]
+    page = specs[0].page_size_bytes
+    tensors = [
+        KVCacheTensor(
+            **keywords(
+                KVCacheTensor,
+                size=page * config.gpu_blocks,
+                layers=[f"layer.{g}"],
+                shared_by=[f"layer.{g}"],
+                layer_stride=page * config.gpu_blocks,
+                block_stride=page,
+            )
+        )
+        for g in range(len(specs))
+    ]
+    kv_cache_config = KVCacheConfig(
+        **keywords(
+            KVCacheConfig,
+            num_blocks=config.gpu_blocks,
+            kv_cache_tensors=tensors,
+            kv_cache_groups=groups,
+            hash_block_size=config.hash_block_size,
+        )
+    )
+    gpu_pool = BlockPool(config.gpu_blocks, True, config.hash_block_size)
+    # vLLM sizes the CPU pool as gpu_blocks * capacity // (the first tensor's size)
+    bytes_per_block = page
+    scheduler = SimpleCPUOffloadScheduler(
+        **keywords(
+            SimpleCPUOffloadScheduler,
+            vllm_config=vllm_config,
+            kv_cache_config=kv_cache_config,
+            cpu_capacity_bytes=bytes_per_block * config.cpu_blocks,
+            num_cpu_blocks=config.cpu_blocks,
+            scheduler_block_size=config.scheduler_block_size,
+            hash_block_size=config.hash_block_size,
+            lazy_offload=False,
+        )
+    )
+    scheduler.bind_gpu_block_pool(gpu_pool)
+    init_none_hash(sha256)
+    return World(
+        vllm_config,
+        kv_cache_config,
+        gpu_pool,
+        scheduler,
+        get_request_block_hasher(config.hash_block_size, sha256),
+        SamplingParams(max_tokens=1),
+        bytes_per_block,
+    )
+
+
+def describe(world: World) -> dict[str, Any]:
+    """Sizes as vLLM sees them, for checking that ``build`` matched the configuration."""
+    return {
+        "version": version(),
+        "gpu_blocks": len(world.gpu_pool.blocks),
+        "cpu_blocks": world.scheduler.num_cpu_blocks,
+        "cpu_groups": len(world.scheduler.cpu_kv_cache_config.kv_cache_groups),
+    }
