@@ -4,7 +4,7 @@ in lockstep, compared after every call (results, snapshots, KV bytes), with the 
 
 Rules are few and draws small, so that shrinking works: requests come from three token
 stems (prefixes are shared) and earlier prompts come back (CPU hits), budgets are small,
-pools tiny (4 to 12 GPU blocks; 2 to 4 CPU blocks, or 8 to 16) so that eviction, failed
+pools tiny (4 to 8 GPU blocks; 2 to 4 CPU blocks, or 12 to 32) so that eviction, failed
 allocation and the CPU capacity limit happen, hash blocks may be smaller than blocks
 (secondary keys), and up to 4 workers report completions in any order. ``docs/conformance.md``
 explains each rule.
@@ -52,9 +52,9 @@ SETTLE_BUDGETS = st.integers(8, 32)  # enough for a prompt and its outputs in a 
 # Tiny pools, so that eviction, failed allocation and the CPU capacity limit happen.
 SETUP = initialize(
     layout=st.sampled_from(LAYOUTS),
-    gpu_blocks=st.integers(4, 12),
+    gpu_blocks=st.integers(4, 8),
     # the CPU pool tiny (its capacity limits the flush) or larger than the GPU's (hits)
-    cpu_blocks=st.one_of(st.integers(2, 4), st.integers(8, 16)),
+    cpu_blocks=st.one_of(st.integers(2, 4), st.integers(12, 32)),
     world_size=st.integers(1, 4),
     first=PROMPTS,
 )
