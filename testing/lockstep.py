@@ -13,6 +13,7 @@ from typing import Any
 
 from kvoffload.impl import OffloadImpl
 from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
+from kvoffload.model.snapshot import PoolView
 
 Call = tuple[Any, ...]
 
@@ -59,11 +60,39 @@ def compare(model: OffloadModel, impl: OffloadImpl, call: Call, n: int) -> str |
     mine, theirs = model.snapshot(), impl.snapshot()
     if mine != theirs:
         fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
-        return f"call {n} {call}: snapshots differ in {fields}"
+        details = "; ".join(
+            describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
+        )
+        return f"call {n} {call}: snapshots differ in {fields}: {details}"
     wrong = impl.data_mismatches()
     if wrong:
         return f"call {n} {call}: {wrong[0]}"
     return None
+
+
+def describe_difference(name: str, expected: object, actual: object, limit: int = 3) -> str:
+    """What differs in one snapshot field, model first: for a pool, the blocks and the keys
+    that differ; for anything else, both values."""
+    if isinstance(expected, PoolView) and isinstance(actual, PoolView):
+        parts = [
+            f"block {a.block_id} is {b} in the model, {a} in the implementation"
+            for b, a in zip(expected.blocks, actual.blocks, strict=True)
+            if a != b
+        ][:limit]
+        mine, theirs = dict(expected.cached), dict(actual.cached)
+        parts += [
+            f"key {key} maps to {mine.get(key, ())} in the model, {theirs.get(key, ())} in the "
+            "implementation"
+            for key in sorted(mine.keys() | theirs.keys())
+            if mine.get(key) != theirs.get(key)
+        ][:limit]
+        if expected.free_queue != actual.free_queue:
+            parts.append(
+                f"free queue {expected.free_queue} in the model, {actual.free_queue} in the "
+                "implementation"
+            )
+        return f"{name}: " + ", ".join(parts)
+    return f"{name}: {expected} in the model, {actual} in the implementation"
 
 
 def first_disagreement(
