@@ -74,7 +74,7 @@ class OffloadImpl:
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
         # The data check's memory: seeds behind each key seen, expected bytes per layer.
-        self._unindexed: dict[str, ImplRequest] = {}
+        self._fully_indexed: set[str] = set()
         self._key_seeds: dict[BlockKey, list[int]] = {}
         self._expected_bytes: dict[tuple[BlockKey, int], torch.Tensor] = {}
 
@@ -239,11 +239,11 @@ class OffloadImpl:
 
     def _index_keys(self) -> None:
         """Record the token seeds behind every full-block key of the requests seen so far.
-        A request stays in ``_unindexed`` while live (decode adds keys), and is indexed once
-        more after it has gone."""
+        A live request is looked at on every call (decode adds keys); a finished one's
+        tokens no longer change, so it is indexed one last time and then skipped."""
         for rid, req in self.engine.requests.items():
-            self._unindexed[rid] = req
-        for rid, req in list(self._unindexed.items()):
+            if rid in self._fully_indexed:
+                continue
             seeds: list[int] | None = None
             for keys in req.block_keys():
                 for key in keys:
@@ -253,8 +253,8 @@ class OffloadImpl:
                         seeds = token_seeds(req.tokens)
                     size = self.config.group_block_sizes[key.group]
                     self._key_seeds[key] = seeds[key.num_tokens - size : key.num_tokens]
-            if self.engine.requests.get(rid) is not req:
-                del self._unindexed[rid]
+            if req.status is Status.FINISHED:
+                self._fully_indexed.add(rid)
 
     def _expected(self, key: BlockKey, layer: int) -> torch.Tensor:
         found = self._expected_bytes.get((key, layer))

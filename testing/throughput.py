@@ -39,14 +39,7 @@ class TrivialMachine(RuleBasedStateMachine):
     steps = 0
 
     @SETUP
-    def setup(
-        self,
-        layout: tuple[tuple[int, ...], int],
-        gpu_blocks: int,
-        cpu_blocks: int,
-        world_size: int,
-        first: list[int],
-    ) -> None:
+    def setup(self, first: list[int], **config: object) -> None:
         self.prompts = [first]
         self.live = [0]
         self.count()

@@ -156,6 +156,6 @@ def install(version: str, cache: Cache | None = None, log: bool = True) -> Cache
 
 def install_command(target: str) -> int:
     """``kvoffload install vllm==X``: install (or find) the release, print where it is."""
-    cache = install(parse_target(target))
-    print(cache.release(parse_target(target)))
+    version = parse_target(target)
+    print(install(version).release(version))
     return 0
