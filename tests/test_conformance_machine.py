@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 from hypothesis import settings
 
+from kvoffload.model import OffloadConfig
 from kvoffload.testing.campaign import run_campaign, run_replay
+from kvoffload.testing.lockstep import first_disagreement
 from kvoffload.testing.stateful import machine_for
 
 SMALL = settings(max_examples=30, stateful_step_count=20, deadline=None, database=None)
@@ -36,3 +38,23 @@ def test_a_fault_is_found_and_shrunk(
     test = next(v for k, v in namespace.items() if k.startswith("test_regression"))
     with pytest.raises(AssertionError):
         test()  # type: ignore[operator]
+
+
+def test_a_snapshot_difference_names_what_differs() -> None:
+    prompt = [0, 1, 2, 3, 4, 5, 6, 0]
+    program = [
+        ("add", "a", prompt, 1),
+        ("step", 24),
+        ("step", 24),
+        ("drain",),
+        ("add", "b", prompt, 1),
+        ("step", 24),
+    ]
+    found = first_disagreement(
+        OffloadConfig(6, 4, (4,), 4, 1), program, faults=["flush-stores-present"]
+    )
+    assert found is not None and found.startswith("call 5 ('step', 24): snapshots differ in")
+    # the pools name the block and the free queues on both sides, other fields both values
+    assert "gpu: block " in found and " in the model, BlockView(" in found
+    assert "free queue (" in found
+    assert "pending_flushes: () in the model, (TransferView(" in found
