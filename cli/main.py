@@ -33,7 +33,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "mutation matrix runs ci, or nightly when that is chosen",
     )
     verify.add_argument("--seconds", type=float, help="run the campaign for this long")
-    verify.add_argument("--target", help="adapter to verify (default: impl, or impl-cuda)")
+    verify.add_argument(
+        "--target",
+        help="adapter to verify (default: impl, or impl-cuda), or a vLLM release as "
+        "vllm==X.Y.Z (checked in its own environment, see docs/upstream.md)",
+    )
+    verify.add_argument(
+        "--install", action="store_true", help="with --target vllm==X: install it if absent"
+    )
     verify.add_argument("--no-mutants", action="store_true", help="skip the mutation matrix")
     mutants = sub.add_parser("mutants", help="the mutation matrix: is every fault found?")
     mutants.add_argument(
@@ -53,6 +60,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("verify", "mutants", "replay"):
         from kvoffload.testing import campaign
 
+        if args.command == "verify" and (args.target or "").startswith("vllm=="):
+            from kvoffload.upstream.check import check_release
+
+            return check_release(args.target, args.profile, args.seconds, args.install)
         if args.command == "verify":
             return campaign.run_verify(args.profile, args.seconds, args.target, not args.no_mutants)
         if args.command == "mutants":

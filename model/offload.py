@@ -344,7 +344,7 @@ class OffloadScheduler:
             for g, (ids, size) in enumerate(zip(block_ids, self.group_block_sizes, strict=True))
         ]
         reasons = [[self._classify(block) for _, block in group] for group in candidates]
-        picks, advanced, full = plan_selection(
+        picks, advanced, full = self.plan(
             [[reason is None for reason in group] for group in reasons], num_free
         )
         marks = self.dispositions[request.request_id]
@@ -363,6 +363,12 @@ class OffloadScheduler:
             SelectionRecord(request.request_id, final_flush, num_free, tuple(observed))
         )
         return selected, advanced
+
+    def plan(
+        self, storable: list[list[bool]], num_free: int
+    ) -> tuple[list[list[int]], list[int], bool]:
+        """The selection plan (:func:`~kvoffload.model.arith.plan_selection`)."""
+        return plan_selection(storable, num_free)
 
     def _observe(self, block: Block) -> PickRecord:
         key = block.block_hash

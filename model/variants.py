@@ -10,12 +10,28 @@ breaks:
   block is reachable by its secondary keys only. Caught by REGISTERED and POOL-PRIMARY.
 - ``bug-53498-no-final-flush``: finishing a request queues nothing, so blocks confirmed
   after its last scan are never stored. Caught by FLUSH-COMPLETE.
+- ``bug-53498-primary-only``: what vLLM 0.29.0 itself does (found by driving it, see
+  ``docs/upstream.md``): the stamp at allocation is put into the map directly at completion,
+  so the primary is reachable, without its token count, and no secondary key is registered.
+  Caught by REGISTERED.
+- ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``bug-53498-primary-only`` and
+  ``bug-53498-no-final-flush``) and its selection loop, whose cursors also pass over blocks
+  that need no store while the CPU pool is full (``SharedBudgetScheduler``).
+
+Later vLLM releases changed the semantics on purpose; their variants add those changes to
+the fixed model, so that a release is compared with what it means to do:
+
+- ``inclusive-cpu`` (vLLM 0.34.0, not 0.30.0): the CPU copy of a GPU prefix hit is
+  refreshed (moved to the most-recently-used end of the CPU free queue) when the request
+  is allocated, and ``reset()`` also releases the pins of CPU hits not yet allocated.
 """
 
 from __future__ import annotations
 
-from kvoffload.model.block_pool import Block
+from kvoffload.model.block_pool import Block, BlockPool
+from kvoffload.model.config import OffloadConfig
 from kvoffload.model.engine import Request
+from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.offload import OffloadScheduler, Transfer
 
 
@@ -40,6 +56,41 @@ class PhantomPrimaryScheduler(OffloadScheduler):
         super()._release_transfer_refs(transfer)
 
 
+class PrimaryOnlyScheduler(PhantomPrimaryScheduler):
+    """vLLM 0.29.0's registration: the stamped primary goes into the map by a direct insert
+    (``cached_block_hash_to_block.insert``), bypassing ``_insert_block_hash`` and its
+    guard; the GPU block's secondary keys are never looked at."""
+
+    def register_stored_block(self, gpu_block: Block, cpu_block: Block) -> None:
+        stamp = cpu_block.block_hash
+        assert stamp is not None, f"CPU block {cpu_block.block_id} lost its stamp"
+        self.cpu_pool._map_insert(stamp, cpu_block)
+
+
+class SharedBudgetScheduler(OffloadScheduler):
+    """vLLM 0.29.0's selection loop: a group is entered even when the CPU pool is full, so
+    the cursor still passes over blocks that need no store (null, unhashed, in flight,
+    present) up to the first block that does. From 0.30.0 on, a group is not entered once
+    the pool is full, and its cursor stays. Both retry the blocks not passed; only the
+    cursors differ."""
+
+    def plan(
+        self, storable: list[list[bool]], num_free: int
+    ) -> tuple[list[list[int]], list[int], bool]:
+        picks: list[list[int]] = [[] for _ in storable]
+        advanced = [0] * len(storable)
+        taken = 0
+        for g, flags in enumerate(storable):
+            for ok in flags:
+                if ok:
+                    if taken >= num_free:
+                        return picks, advanced, True
+                    picks[g].append(advanced[g])
+                    taken += 1
+                advanced[g] += 1
+        return picks, advanced, False
+
+
 class NoFinalFlushScheduler(OffloadScheduler):
     """vLLM #53498, bug 2: a finished request's unscanned confirmed blocks are dropped."""
 
@@ -49,8 +100,65 @@ class NoFinalFlushScheduler(OffloadScheduler):
         return None
 
 
+class InclusiveCpuScheduler(OffloadScheduler):
+    """vLLM 0.34.0: "eager CPU is inclusive". A GPU prefix hit also has a CPU copy (eager
+    stores put every computed block there), which the eager scan then skips; so that this
+    copy is not evicted first, the lookup remembers the local prefix and the allocation
+    touches and frees its CPU blocks, moving them to the tail of the free queue."""
+
+    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
+        super().__init__(config, gpu_pool)
+        self.pending_local_hits: dict[str, int] = {}
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int, bool]:
+        self.pending_local_hits.pop(request.request_id, None)
+        if num_computed_tokens:
+            # Recorded before any reason to return 0: a misaligned local hit is refreshed too.
+            self.pending_local_hits[request.request_id] = num_computed_tokens
+        return super().get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        num_local = self.pending_local_hits.pop(request.request_id, 0)
+        if num_local:
+            prefix, _ = find_longest_cache_hit(
+                self.cpu_pool, request.digests, 0, num_local, self.config
+            )
+            blocks = [b for group in prefix for b in group if not b.is_null]
+            self.cpu_pool.touch(blocks)
+            self.cpu_pool.free_blocks(reversed(blocks))
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def request_finished(self, request: Request) -> None:
+        self.pending_local_hits.pop(request.request_id, None)
+        super().request_finished(request)
+
+    def reset(self) -> bool:
+        for pending in self.pending_cpu_hits.values():
+            self._free_pending_cpu_hit(pending)
+        self.pending_cpu_hits.clear()
+        self.pending_local_hits.clear()
+        return super().reset()
+
+
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
     "bug-53498-phantom-primary": PhantomPrimaryScheduler,
     "bug-53498-no-final-flush": NoFinalFlushScheduler,
+    "bug-53498-primary-only": PrimaryOnlyScheduler,
+    "vllm-0.29": type(
+        "Vllm029Scheduler",
+        (PrimaryOnlyScheduler, NoFinalFlushScheduler, SharedBudgetScheduler),
+        {},
+    ),
+    "inclusive-cpu": InclusiveCpuScheduler,
 }
+
+
+def keeps_invariants(variant: str) -> bool:
+    """Whether ``variant`` keeps every invariant: the fixed model and later releases' changes
+    do; a variant with a bug of #53498 breaks one by design."""
+    return variant in ("fixed", "inclusive-cpu")

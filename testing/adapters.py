@@ -6,8 +6,10 @@ and a data check: any implementation that has them can be driven by the conforma
 
 from __future__ import annotations
 
+import importlib.util
+import os
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -16,7 +18,7 @@ from kvoffload.model import FinishResult, OffloadConfig, Snapshot, StepResult
 
 
 class Target(Protocol):
-    """The driver API of :class:`kvoffload.model.OffloadModel`, plus ``data_mismatches``."""
+    """The driver API of :class:`kvoffload.model.OffloadModel` and its snapshot."""
 
     def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None: ...
     def step(self, token_budget: int) -> StepResult: ...
@@ -29,23 +31,57 @@ class Target(Protocol):
     def live_requests(self) -> list[str]: ...
     def outstanding(self, kind: str) -> list[tuple[int, int]]: ...
     def snapshot(self) -> Snapshot: ...
+
+
+@runtime_checkable
+class HoldsBytes(Protocol):
+    """A target that moves KV bytes, and can say which blocks hold the wrong ones."""
+
     def data_mismatches(self) -> list[str]:
         """Every stored or loaded block whose bytes are not its key's KV; empty if none."""
         ...
 
 
-Adapter = Callable[[OffloadConfig], OffloadImpl]
+Adapter = Callable[[OffloadConfig], Target]
 
 
 def adapters() -> dict[str, Adapter]:
-    """``impl`` (host memory), ``impl-cuda`` where CUDA is present, and ``fault:NAME`` for every
-    fault of the catalogue (host memory)."""
+    """``impl`` (host memory), ``impl-cuda`` where CUDA is present, ``fault:NAME`` for every
+    fault of the catalogue (host memory), and ``vllm`` where vLLM imports (a release
+    environment of ``kvoffload install``)."""
     known: dict[str, Adapter] = {"impl": lambda config: OffloadImpl(config, device="cpu")}
     if torch.cuda.is_available():
         known["impl-cuda"] = lambda config: OffloadImpl(config, device="cuda")
     for name in FAULTS:
         known[f"fault:{name}"] = _faulty(name)
+    if importlib.util.find_spec("vllm") is not None:
+        known["vllm"] = _vllm
     return known
+
+
+def _vllm(config: OffloadConfig) -> Target:
+    from kvoffload.upstream.target import VllmOffload
+
+    return VllmOffload(config)
+
+
+def unsupported(adapter_name: str, config: OffloadConfig) -> str | None:
+    """Why ``adapter_name`` cannot run ``config`` (vLLM rejects some layouts), or None."""
+    if adapter_name != "vllm":
+        return None
+    from kvoffload.upstream.vllm_world import supported
+
+    return supported(config)
+
+
+def expected_variant(adapter_name: str) -> str:
+    """The model variant ``adapter_name`` is compared with: the fixed model, or for vLLM the
+    variant of the running release (``kvoffload.upstream.releases``)."""
+    if adapter_name != "vllm":
+        return "fixed"
+    from kvoffload.upstream.releases import release
+
+    return str(release(os.environ.get("KVOFFLOAD_VLLM_VERSION", "")).model_variant)
 
 
 def _faulty(name: str) -> Adapter:

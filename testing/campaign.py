@@ -16,9 +16,10 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import FAULTS
+from kvoffload.model.errors import ConfigError
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
-from kvoffload.testing.adapters import default_adapter
+from kvoffload.testing.adapters import adapters, default_adapter
 from kvoffload.testing.stateful import Recorder, machine_for, reproducer, save_failure
 
 # Targets of the mutation matrix under the ``ci`` profile.
@@ -47,12 +48,17 @@ class CampaignResult:
 
 
 def run_campaign(
-    adapter: str, profile: settings, seconds: float | None = None, progress: bool = False
+    adapter: str,
+    profile: settings,
+    seconds: float | None = None,
+    progress: bool = False,
+    variant: str | None = None,
 ) -> CampaignResult:
     """Run the conformance machine on ``adapter`` until it fails, for ``profile``'s examples,
-    or (with ``seconds``) in batches until the time is spent."""
+    or (with ``seconds``) in batches until the time is spent. ``variant``: the model variant
+    to compare with (default: the adapter's)."""
     recorder = Recorder()
-    machine = machine_for(adapter, recorder)
+    machine = machine_for(adapter, recorder, variant)
     start = time.perf_counter()
     failure: dict[str, Any] | None = None
     batch = (
@@ -63,6 +69,11 @@ def run_campaign(
             run_state_machine_as_test(machine, settings=batch)
         except (AssertionError, Flaky):
             failure = recorder.failure
+            # The recorder holds the last example's disagreement; without one, what failed
+            # is not a disagreement (a violated invariant of the model, an error of the
+            # machine) and must not pass for conformance.
+            if failure is None:
+                raise
         elapsed = time.perf_counter() - start
         if progress:
             print(
@@ -126,10 +137,16 @@ def coverage(rec: Recorder) -> str:
 
 
 def run_verify(
-    profile_name: str | None, seconds: float | None, target: str | None, mutants: bool
+    profile_name: str | None,
+    seconds: float | None,
+    target: str | None,
+    mutants: bool,
 ) -> int:
     profile = profiles.load(profile_name)
     adapter = target or default_adapter()
+    known = adapters()
+    if adapter not in known:
+        raise ConfigError(f"unknown target {adapter!r}; known here: {sorted(known)}")
     result = run_campaign(adapter, profile, seconds=seconds, progress=True)
     print(f"conformance of {adapter}: {'conforms' if result.conforms else 'DISAGREES'}")
     print(coverage(result.recorder))

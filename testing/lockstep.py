@@ -14,11 +14,12 @@ from typing import Any
 from kvoffload.impl import OffloadImpl
 from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
 from kvoffload.model.snapshot import PoolView
+from kvoffload.testing.adapters import HoldsBytes, Target, adapters, expected_variant
 
 Call = tuple[Any, ...]
 
 
-def apply(target: OffloadModel | OffloadImpl, call: Call) -> object:
+def apply(target: OffloadModel | Target, call: Call) -> object:
     name, *args = call
     if name == "add":
         return target.add_request(*args)
@@ -41,7 +42,7 @@ def apply(target: OffloadModel | OffloadImpl, call: Call) -> object:
     raise ValueError(f"unknown call {name!r}")
 
 
-def outcome(target: OffloadModel | OffloadImpl, call: Call) -> object:
+def outcome(target: OffloadModel | Target, call: Call) -> object:
     """The call's result, or its error as ``"Type: message"``. A violated invariant of the
     model is not an outcome: it propagates, since the specification itself is then wrong."""
     try:
@@ -52,7 +53,7 @@ def outcome(target: OffloadModel | OffloadImpl, call: Call) -> object:
         return f"{type(error).__name__}: {error}"
 
 
-def compare(model: OffloadModel, impl: OffloadImpl, call: Call, n: int) -> str | None:
+def compare(model: OffloadModel, impl: Target, call: Call, n: int) -> str | None:
     """Apply ``call`` to both; describe the first difference, or None."""
     expected, actual = outcome(model, call), outcome(impl, call)
     if expected != actual:
@@ -64,7 +65,8 @@ def compare(model: OffloadModel, impl: OffloadImpl, call: Call, n: int) -> str |
             describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
         )
         return f"call {n} {call}: snapshots differ in {fields}: {details}"
-    wrong = impl.data_mismatches()
+    # A target without KV bytes (vLLM's scheduler side) is compared on the above alone.
+    wrong = impl.data_mismatches() if isinstance(impl, HoldsBytes) else []
     if wrong:
         return f"call {n} {call}: {wrong[0]}"
     return None
@@ -100,10 +102,18 @@ def first_disagreement(
     program: Sequence[Call],
     faults: Sequence[str] = (),
     device: str | None = None,
+    adapter: str | None = None,
+    variant: str | None = None,
 ) -> str | None:
-    """None when the implementation conforms on ``program``; else what differed first."""
-    model = OffloadModel(config, check=True)
-    impl = OffloadImpl(config, faults=faults, device=device)
+    """None when the implementation conforms on ``program``; else what differed first.
+    ``adapter`` names another target (``kvoffload.testing.adapters``), compared with
+    ``variant`` of the model (default: the variant it is expected to match)."""
+    model = OffloadModel(config, variant=variant or expected_variant(adapter or "impl"), check=True)
+    impl: Target = (
+        adapters()[adapter](config)
+        if adapter is not None
+        else OffloadImpl(config, faults=faults, device=device)
+    )
     for n, call in enumerate(program):
         found = compare(model, impl, call, n)
         if found:

@@ -148,6 +148,9 @@ def build(config: OffloadConfig) -> World:
         )
     )
     scheduler.bind_gpu_block_pool(gpu_pool)
+    # The manager counts store reports up to the world size it read from the parallel
+    # config; a world of several workers needs no devices on the scheduler side.
+    scheduler._expected_worker_count = config.world_size
     init_none_hash(sha256)
     return World(
         vllm_config,
@@ -158,6 +161,27 @@ def build(config: OffloadConfig) -> World:
         SamplingParams(max_tokens=1),
         bytes_per_block,
     )
+
+
+def cached_entries(pool: Any) -> list[tuple[bytes, tuple[int, ...]]]:
+    """A pool's key map as (key, block ids in insertion order). Up to 0.33 a key maps to a
+    block or to a dict of blocks; 0.34 keeps one block id per key and the ids of keys
+    cached by several blocks apart (``_dup_ids``)."""
+    cache = pool.cached_block_hash_to_block
+    entries = []
+    if hasattr(cache, "_dup_ids"):
+        for key, block_id in cache._cache.items():
+            duplicates = cache._dup_ids.get(key)
+            entries.append((key, tuple(duplicates) if duplicates else (block_id,)))
+        return entries
+    for key, value in cache._cache.items():
+        entries.append((key, tuple(value) if isinstance(value, dict) else (value.block_id,)))
+    return entries
+
+
+def queued_final_flushes(manager: Any) -> list[Any]:
+    """The manager's queue of final flushes; 0.29.0 has none (it has no final flush)."""
+    return list(getattr(manager, "_pending_finished_stores", []))
 
 
 def describe(world: World) -> dict[str, Any]:

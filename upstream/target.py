@@ -1,0 +1,229 @@
+"""``VllmOffload``: vLLM's own offload code behind the driver API and the snapshot, so that
+the conformance machine drives it like any implementation (adapter ``vllm``).
+
+Runs only where vLLM imports. Calls are validated as the model validates them (the same
+exceptions, raised before anything changes). vLLM's scheduler side holds no KV bytes, so
+this target has no data check: it is compared on results and snapshots.
+
+The snapshot reads vLLM's state (its pools and the manager's fields, which carry the
+model's names with a leading underscore) and names keys as the model does (:class:`KeyMap`).
+Where releases differ in how they hold it, :mod:`kvoffload.upstream.vllm_world` reads it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.engine import RequestStatus
+from kvoffload.model.errors import (
+    DuplicateRequestError,
+    InvalidArgumentError,
+    RequestFinishedError,
+    UnknownRequestError,
+)
+from kvoffload.model.snapshot import (
+    BlockView,
+    LoadView,
+    PoolView,
+    RequestView,
+    Snapshot,
+    StoreTrackView,
+    TransferView,
+)
+from kvoffload.model.types import FinishResult, StepResult
+from kvoffload.model.validate import (
+    require_completion,
+    require_int,
+    require_request_fits,
+    require_tokens,
+)
+from kvoffload.upstream.engine import KeyMap, VllmEngine
+from kvoffload.upstream.vllm_world import build, cached_entries, queued_final_flushes, supported
+
+
+class VllmOffload:
+    """vLLM's ``BlockPool`` and ``SimpleCPUOffloadScheduler`` driven call by call."""
+
+    def __init__(self, config: OffloadConfig) -> None:
+        self.config = config
+        self.world = build(config)
+        self.engine = VllmEngine(config, self.world)
+        self._store_reports: dict[int, set[int]] = {}
+        self._load_reports: dict[int, set[int]] = {}
+
+    @staticmethod
+    def supports(config: OffloadConfig) -> str | None:
+        return supported(config)
+
+    @property
+    def manager(self) -> Any:
+        return self.world.scheduler
+
+    # -- the driver API -------------------------------------------------------------------
+
+    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
+        tokens = require_tokens(prompt)
+        require_request_fits(self.config, request_id, tokens, max_tokens)
+        if request_id in self.engine.requests:
+            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        self.engine.add_request(request_id, tokens, max_tokens)
+
+    def step(self, token_budget: int) -> StepResult:
+        require_int("token_budget", token_budget, 0)
+        return self.engine.step(token_budget)
+
+    def finish(self, request_id: str) -> FinishResult:
+        status = self.engine.status.get(request_id)
+        if status is None:
+            raise UnknownRequestError(f"unknown request {request_id!r}")
+        if status is RequestStatus.FINISHED:
+            raise RequestFinishedError(f"request {request_id!r} has already finished")
+        flushed = self.engine.finish_request(request_id)
+        if flushed is None:
+            return FinishResult(request_id)
+        return FinishResult(request_id, tuple(flushed[0]), tuple(flushed[1]))
+
+    def complete_store(self, event: int, worker: int = 0) -> bool:
+        reports = self._accept("store", event, worker)
+        self.engine.store_completed(event, 1)
+        return len(reports) == self.config.world_size
+
+    def complete_load(self, event: int, worker: int = 0) -> tuple[str, ...]:
+        reports = self._accept("load", event, worker)
+        if len(reports) < self.config.world_size:
+            return ()
+        finished = tuple(self.manager._load_event_to_reqs.get(event, ()))
+        self.engine.loads_finished(set(finished))
+        return finished
+
+    def _accept(self, kind: str, event: int, worker: int) -> set[int]:
+        table = self._store_reports if kind == "store" else self._load_reports
+        reported = table.get(event, set())
+        require_completion(self.config, kind, event, worker, self._counter(kind), reported)
+        table[event] = reported | {worker}
+        return table[event]
+
+    def _counter(self, kind: str) -> int:
+        if kind == "store":
+            return int(self.manager._store_event_counter)
+        return int(self.manager._load_event_counter)
+
+    def lookup(self, tokens: Sequence[int]) -> int:
+        """vLLM's CPU coordinator asked for the prompt's longest hit (pins nothing)."""
+        prompt = require_tokens(tokens)
+        probe = self.engine.make_request("", prompt, 1)
+        _, hit, *_ = self.manager.cpu_coordinator.find_longest_cache_hit(
+            probe.block_hashes, len(prompt) - 1
+        )
+        return int(hit)
+
+    def reset(self) -> bool:
+        return bool(self.manager.reset())
+
+    def has_pending_stores(self) -> bool:
+        return bool(self.manager.has_pending_stores())
+
+    def live_requests(self) -> list[str]:
+        return [r for r, s in self.engine.status.items() if s is not RequestStatus.FINISHED]
+
+    def outstanding(self, kind: str) -> list[tuple[int, int]]:
+        if kind not in ("store", "load"):
+            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
+        table = self._store_reports if kind == "store" else self._load_reports
+        return [
+            (event, worker)
+            for event in range(self._counter(kind))
+            for worker in range(self.config.world_size)
+            if worker not in table.get(event, set())
+        ]
+
+    def snapshot(self) -> Snapshot:
+        return take_snapshot(self.engine)
+
+
+# -- vLLM's state as a snapshot ---------------------------------------------------------------
+
+
+def pool_view(pool: Any, keys: KeyMap) -> PoolView:
+    blocks = tuple(
+        BlockView(
+            b.block_id,
+            b.ref_cnt,
+            keys.model_key(b.block_hash),
+            b.block_hash_num_tokens,
+            tuple(
+                sorted(keys.key(k) for k in pool.cached_block_hashes_by_block.get(b.block_id, ()))
+            ),
+        )
+        for b in pool.blocks
+    )
+    cached = [(keys.key(vllm_key), ids) for vllm_key, ids in cached_entries(pool)]
+    return PoolView(
+        blocks=blocks,
+        free_queue=tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
+        cached=tuple(sorted(cached)),
+    )
+
+
+def _transfer(event: int | None, transfer: Any) -> TransferView:
+    return TransferView(event, tuple(transfer.gpu_block_ids), tuple(transfer.cpu_block_ids))
+
+
+def _load(state: Any) -> LoadView:
+    return LoadView(
+        state.request.request_id, _transfer(state.load_event, state.transfer_meta), state.finished
+    )
+
+
+def take_snapshot(engine: VllmEngine) -> Snapshot:
+    m = engine.connector
+    keys = engine.keys
+    return Snapshot(
+        gpu=pool_view(engine.gpu_pool, keys),
+        cpu=pool_view(m.cpu_block_pool, keys),
+        requests=tuple(
+            RequestView(
+                req_id,
+                engine.status[req_id].value,
+                req.num_tokens,
+                req.num_computed_tokens,
+                tuple(req.output_token_ids),
+                tuple(tuple(ids) for ids in engine.req_to_blocks.get(req_id, [])),
+            )
+            for req_id, req in sorted(engine.requests.items())
+        ),
+        tracked=tuple(
+            StoreTrackView(
+                req_id,
+                tuple(s.num_stored_blocks),
+                tuple(tuple(ids) for ids in s.block_ids),
+                tuple(sorted(s.store_events)),
+                s.finished,
+            )
+            for req_id, s in sorted(m._reqs_to_store.items())
+        ),
+        pending_flushes=tuple(_transfer(None, t) for t in queued_final_flushes(m)),
+        store_events=tuple(_transfer(e, t) for e, t in sorted(m._store_event_to_blocks.items())),
+        abandoned_store_events=tuple(
+            _transfer(e, t) for e, t in sorted(m._abandoned_store_event_to_blocks.items())
+        ),
+        store_event_pending_counts=tuple(sorted(m._store_event_pending_counts.items())),
+        store_event_requests=tuple(
+            (e, tuple(reqs)) for e, reqs in sorted(m._store_event_to_reqs.items())
+        ),
+        in_flight_gpu_blocks=tuple(sorted(m._in_flight_store_gpu_blocks)),
+        loads=tuple(_load(s) for _, s in sorted(m._reqs_to_load.items())),
+        abandoned_loads=tuple(_load(s) for _, s in sorted(m._abandoned_reqs_to_load.items())),
+        pending_hits=tuple(
+            (req_id, tuple(b.block_id for g in hit[0] for b in g), hit[1])
+            for req_id, hit in sorted(m._pending_cpu_hits.items())
+        ),
+        load_event_to_reqs=tuple(
+            (e, tuple(reqs)) for e, reqs in sorted(m._load_event_to_reqs.items())
+        ),
+        store_event_counter=m._store_event_counter,
+        load_event_counter=m._load_event_counter,
+        has_pending_stores=m.has_pending_stores(),
+    )
