@@ -71,3 +71,84 @@ def test_phantom_primary_keeps_secondary_keys_reachable() -> None:
     complete_all_stores(model)
     cached = model.snapshot().cpu.cached
     assert [key.num_tokens for key, _ in cached] == [10]  # only the prompt-tail secondary
+
+
+# -- what driving vLLM's own code taught the model (docs/upstream.md) -------------------------
+
+
+def test_primary_only_registers_the_stamp_without_count_or_secondary_keys() -> None:
+    """vLLM 0.29.0: the stamped primary is inserted into the map directly at completion, so
+    the block is reachable by it, with no token count, and its secondary keys are lost."""
+    model = make(group_block_sizes=(4,), hash_block_size=2, variant="bug-53498-primary-only")
+    model.checked = False
+    model.add_request("r", prompt(10), max_tokens=3)
+    for _ in range(5):
+        model.step(4)
+    model.step(0)
+    complete_all_stores(model)
+    cpu = model.snapshot().cpu
+    registered = [b for b in cpu.blocks if b.primary is not None]
+    assert registered, "nothing was stored"
+    assert all(b.primary_tokens is None and b.secondary == () for b in registered)
+    mapped = {key.num_tokens for key, _ in cpu.cached}
+    assert {4, 8} <= mapped
+    assert 10 not in mapped  # the prompt tail's key, a secondary, is lost
+    assert "REGISTERED" in _ids(model)
+
+
+def test_vllm_029_passes_over_blocks_in_flight_while_the_cpu_pool_is_full() -> None:
+    """Two requests with one prompt, one CPU block: the second's scan stores the shared
+    block; the first's scan, with the pool now full, passes over it (in flight) in 0.29.0
+    and stays put from 0.30.0 on. Only the cursor differs; both retry nothing else."""
+    cursors = {}
+    for variant in ("fixed", "vllm-0.29"):
+        model = make(gpu_blocks=4, cpu_blocks=2, group_block_sizes=(4,), variant=variant)
+        model.checked = False
+        tokens = [5, 6, 0, 1, 2, 3, 4, 5]
+        model.add_request("r0", tokens, max_tokens=2)
+        model.add_request("r1", tokens, max_tokens=1)
+        for _ in range(3):
+            model.step(3)
+        cursors[variant] = {t.request_id: t.num_stored_blocks for t in model.snapshot().tracked}
+    assert cursors["fixed"] == {"r0": (0,), "r1": (1,)}
+    assert cursors["vllm-0.29"] == {"r0": (1,), "r1": (1,)}
+
+
+def test_inclusive_cpu_refreshes_the_cpu_copy_of_a_gpu_prefix_hit() -> None:
+    """vLLM 0.34.0: a request that hits the GPU prefix cache moves the CPU copies of that
+    prefix to the most-recently-used end of the CPU free queue."""
+    queues = {}
+    for variant in ("fixed", "inclusive-cpu"):
+        model = make(gpu_blocks=4, cpu_blocks=12, group_block_sizes=(4,), variant=variant)
+        tokens = [0, 1, 2, 3, 4, 5, 6, 0]
+        model.add_request("r0", tokens, max_tokens=2)
+        model.add_request("r1", tokens, max_tokens=1)
+        for _ in range(3):
+            model.step(8)
+            complete_all_stores(model)
+        queues[variant] = model.snapshot().cpu.free_queue
+    assert queues["fixed"][-2:] == (1, 2)
+    assert queues["inclusive-cpu"][-2:] == (2, 1)  # block 1 holds the prefix r1 hit on GPU
+    assert sorted(queues["fixed"]) == sorted(queues["inclusive-cpu"])
+
+
+def test_inclusive_cpu_reset_releases_the_pins_of_unallocated_cpu_hits() -> None:
+    """A CPU hit whose allocation failed stays pinned until the next lookup; 0.34.0's
+    reset releases it, 0.30.0's keeps it."""
+    pinned = {}
+    for variant in ("fixed", "inclusive-cpu"):
+        model = make(gpu_blocks=5, cpu_blocks=12, group_block_sizes=(4,), variant=variant)
+        tokens = prompt(12)
+        model.add_request("a", tokens, max_tokens=1)
+        for _ in range(4):
+            model.step(16)
+            complete_all_stores(model)
+        model.add_request("hog", prompt(13, seed=1), max_tokens=3)  # holds 4 GPU blocks
+        model.step(16)
+        model.add_request("b", tokens, max_tokens=1)  # CPU hit of 8 tokens, no GPU room
+        model.step(16)
+        assert [h[0] for h in model.snapshot().pending_hits] == ["b"]
+        model.reset()
+        pinned[variant] = model.snapshot().pending_hits
+    assert pinned["fixed"] != ()
+    assert pinned["inclusive-cpu"] == ()

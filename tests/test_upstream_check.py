@@ -1,0 +1,145 @@
+"""Checking vLLM releases: the table of expectations, how a verdict is judged, the key map
+between vLLM's hashes and the model's keys, and (where a release is installed) short
+programs through vLLM's own code in that release's environment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from hypothesis import settings
+
+from kvoffload.model.errors import ConfigError, InvariantViolation
+from kvoffload.model.keys import BlockKey, prefix_digests
+from kvoffload.model.variants import VARIANTS, keeps_invariants
+from kvoffload.testing import stateful
+from kvoffload.testing.campaign import run_campaign
+from kvoffload.upstream.check import check_release, judge
+from kvoffload.upstream.engine import KeyMap
+from kvoffload.upstream.install import Cache, default_cache
+from kvoffload.upstream.releases import RELEASES, Check, release
+
+
+def test_every_release_names_known_variants_and_conforms_to_exactly_one() -> None:
+    for row in RELEASES.values():
+        assert all(
+            c.variant in VARIANTS and c.expect in ("conform", "disagree") for c in row.checks
+        )
+        assert [c.expect for c in row.checks].count("conform") == 1
+        assert keeps_invariants(row.model_variant) or row.model_variant == "vllm-0.29"
+    assert release("0.29.0").checks[0] == Check(
+        "fixed", "disagree", "a bug of #53498 against the fixed model"
+    )
+    assert release("9.9.9").model_variant == "fixed"  # unknown: expected to conform
+
+
+def test_a_verdict_is_judged_against_its_expectation() -> None:
+    conform = Check("fixed", "conform", "")
+    disagree = Check("fixed", "disagree", "", finds="pending_flushes")
+    found = {"conforms": False, "disagreement": "call 3: snapshots differ in ['pending_flushes']"}
+    assert judge(conform, {"conforms": True, "disagreement": None}) is None
+    assert "disagrees" in str(judge(conform, found))
+    assert judge(disagree, found) is None
+    assert "none found" in str(judge(disagree, {"conforms": True, "disagreement": None}))
+    other = {"conforms": False, "disagreement": "snapshots differ in ['cpu']"}
+    assert "found another" in str(judge(disagree, other))
+
+
+def test_a_release_not_installed_is_named_with_the_command_that_installs_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("KVOFFLOAD_VLLM_CACHE", str(tmp_path))
+    with pytest.raises(ConfigError, match=r"kvoffload install vllm==0\.34\.0"):
+        check_release("vllm==0.34.0", "ci", None, install_first=False)
+
+
+def test_the_key_map_pairs_vllm_hashes_with_model_digests() -> None:
+    keys = KeyMap(hash_block_size=2)
+    tokens = [3, 1, 4, 1, 5]
+    hashes = [b"h-one", b"h-two"]  # vLLM's hashes of the two full hash blocks
+    keys.learn(tokens, hashes)
+    digests = prefix_digests(tokens, 2)
+    group1 = (1).to_bytes(4, "big")
+    assert keys.key(b"h-two" + group1) == BlockKey(1, 4, digests[1])
+    assert keys.vllm_key(BlockKey(0, 2, digests[0])) == b"h-one" + bytes(4)
+    assert keys.model_key(None) is None
+
+
+def test_an_error_that_is_not_a_disagreement_never_passes_for_conformance(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A bug variant checked as if it kept every invariant raises a violation, not a
+    difference: the campaign must raise it, not report conformance."""
+    monkeypatch.setattr(stateful, "keeps_invariants", lambda variant: True)
+    profile = settings(max_examples=200, stateful_step_count=20, deadline=None, database=None)
+    with pytest.raises(InvariantViolation):
+        run_campaign("impl", profile, variant="bug-53498-no-final-flush")
+
+
+# -- vLLM's own code, in each installed release -------------------------------------------
+
+# The counterexamples docs/upstream.md reports, and the verdict each must reach per release:
+# vLLM 0.29.0 stamps the CPU block at allocation (call 3 differs from the fixed model) and
+# has no final flush (call 3 differs from the model with its registration).
+STAMP = [("add", "r0", [0, 1, 2, 3], 2), ("step", 2), ("step", 2), ("step", 2)]
+FLUSH = [("add", "r0", [0, 1, 2], 2), ("step", 2), ("step", 2), ("step", 2)]
+REFRESH = [
+    ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
+    ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0], 1),
+    ("step", 8),
+    ("drain",),
+    ("step", 8),
+    ("drain",),
+    ("step", 8),
+]
+SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
+LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
+CASES = {
+    "0.29.0": [
+        (SMALL, STAMP, "fixed", "call 3 ('step', 2): snapshots differ in ['cpu']"),
+        (SMALL, FLUSH, "bug-53498-primary-only", "pending_flushes"),
+        (SMALL, STAMP, "vllm-0.29", None),
+        (SMALL, FLUSH, "vllm-0.29", None),
+    ],
+    "0.30.0": [(SMALL, STAMP, "fixed", None), (SMALL, FLUSH, "fixed", None)],
+    "0.34.0": [
+        (SMALL, FLUSH, "inclusive-cpu", None),
+        (LARGE, REFRESH, "inclusive-cpu", None),
+        (LARGE, REFRESH, "fixed", "call 6 ('step', 8): snapshots differ in ['cpu']"),
+    ],
+}
+
+
+@pytest.mark.parametrize("version", sorted(CASES))
+def test_vllm_programs_reach_the_verdicts_of_docs_upstream(version: str) -> None:
+    cache = Cache(default_cache())
+    if not cache.installed(version):
+        pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
+    script = textwrap.dedent(
+        f"""
+        import json
+        from kvoffload.model import OffloadConfig
+        from kvoffload.testing.lockstep import first_disagreement
+        for config, program, variant, _ in {CASES[version]!r}:
+            found = first_disagreement(eval(config), program, adapter="vllm", variant=variant)
+            print(json.dumps({{"found": found}}))
+        """
+    )
+    run = subprocess.run(
+        [str(cache.python), "-c", script],
+        env=cache.environment(version),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(found) == len(CASES[version])
+    for (_, _, variant, expected), got in zip(CASES[version], found, strict=True):
+        if expected is None:
+            assert got is None, f"{variant}: {got}"
+        else:
+            assert got is not None and expected in got, f"{variant}: {got}"
