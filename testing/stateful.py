@@ -116,6 +116,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.program: list[Call] = []
         self.next_id = 0
         self.prompts: list[list[int]] = []
+        self.fillers = 0
         self.rule_steps = 0
         type(self).recorder.programs += 1
         type(self).recorder.failure = None  # what a failing example leaves is its own
@@ -167,12 +168,35 @@ class ConformanceMachine(RuleBasedStateMachine):
             earlier = data.draw(st.sampled_from(self.prompts))
             self.admit(earlier + tail, max_tokens, "repeat_request")
 
-    def admit(self, tokens: list[int], max_tokens: int, rule_name: str) -> None:
+    def admit(
+        self, tokens: list[int], max_tokens: int, rule_name: str, continued: bool = False
+    ) -> None:
         if len(self.model.live_requests()) >= 3 or not self.fits(tokens, max_tokens):
             return
-        self.run(("add", f"r{self.next_id}", tokens, max_tokens), rule_name)
+        self.run(("add", f"r{self.next_id}", tokens, max_tokens), rule_name, continued)
         self.prompts.append(tokens)
         self.next_id += 1
+
+    # A CPU load needs a prompt whose blocks have left the GPU but are still on the CPU,
+    # which random rules seldom arrange (loads were in about 1 program in 300). Here a
+    # filler prompt, never seen before and up to as long as the GPU pool allows, runs to the
+    # end and evicts the least recently used GPU blocks; then an earlier prompt comes back, and
+    # its load is left in flight for the other rules to complete, finish or reset around.
+    @precondition(lambda self: bool(self.prompts) and not self.model.live_requests())
+    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS, budget=SETTLE_BUDGETS)
+    def recall(self, data: st.DataObject, tail: list[int], max_tokens: int, budget: int) -> None:
+        earlier = data.draw(st.sampled_from(self.prompts))
+        self.fillers += 1
+        # Token ids from 7 up appear in no other prompt and in no decoded output.
+        longest = max(n for n in range(1, 65) if self.fits([0] * n, 1))
+        # The whole pool evicts the earlier prompt entirely; less leaves a GPU prefix hit in
+        # front of the CPU hit (a local and an external range in one request).
+        length = data.draw(st.one_of(st.just(longest), st.integers(1, longest)))
+        filler = [6 + self.fillers] + [(self.fillers + i) % 7 for i in range(length - 1)]
+        self.admit(filler, 1, "recall")
+        self.settle_rounds(budget, "recall")
+        self.admit(earlier + tail, max_tokens, "recall", continued=True)
+        self.run(("step", budget), "recall", continued=True)
 
     @rule(budget=BUDGETS, steps=st.integers(1, 3))
     def step(self, budget: int, steps: int) -> None:
@@ -184,11 +208,14 @@ class ConformanceMachine(RuleBasedStateMachine):
     # paths that need it (CPU hits, repeats over stored blocks) are within a few rules.
     @rule(budget=SETTLE_BUDGETS)
     def settle(self, budget: int) -> None:
+        self.settle_rounds(budget, "settle", first=True)
+
+    def settle_rounds(self, budget: int, rule_name: str, first: bool = False) -> None:
         for n in range(SETTLE_ROUNDS):
             if not self.busy():
                 return
-            self.run(("step", budget), "settle", continued=n > 0)
-            self.run(("drain",), "settle", continued=True)
+            self.run(("step", budget), rule_name, continued=not (first and n == 0))
+            self.run(("drain",), rule_name, continued=True)
 
     def busy(self) -> bool:
         model = self.model

@@ -401,7 +401,11 @@ class VllmEngine:
         KVConnectorOutput = self._vllm["KVConnectorOutput"]
         self.connector.update_connector_output(
             KVConnectorOutput(
-                finished_recving=finished_recving,
+                # vLLM releases the CPU blocks of finished loads in the iteration order of
+                # this set, which follows string hashing and so changes from process to
+                # process: two loads finished together free shared blocks in either order
+                # (docs/upstream.md). A sorted list gives the model's order on every run.
+                finished_recving=sorted(finished_recving),
                 kv_connector_worker_meta=self._vllm["WorkerMetadata"](
                     completed_store_events=stores
                 ),
