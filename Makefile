@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SOURCES := pyproject.toml $(shell find cli model impl proofs testing upstream -name '*.py' 2>/dev/null)
 
-.PHONY: venv verify test clean
+.PHONY: venv verify test verify-vllm clean
 
 venv: $(VENV)/.ready
 
@@ -24,6 +24,12 @@ $(VENV)/.ready: $(SOURCES)
 # A short conformance campaign of the implementation, then the mutation matrix.
 verify: venv
 	$(BIN)/kvoffload verify --seconds 30
+
+# vLLM's own offload code under the machine (docs/upstream.md): 0.29.0 must show the bugs of
+# #53498, 0.34.0 must conform. Installs each release into the cache folder when absent.
+verify-vllm: venv
+	$(BIN)/kvoffload verify --target vllm==0.29.0 --install
+	$(BIN)/kvoffload verify --target vllm==0.34.0 --install
 
 test: venv
 	$(BIN)/kvoffload prove

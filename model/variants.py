@@ -1,6 +1,6 @@
-"""The two bugs of vLLM issue #53498 as variants of the model.
+"""The bugs of vLLM issue #53498, and later releases' changes, as variants of the model.
 
-Each variant overrides one step of :class:`~kvoffload.model.offload.OffloadScheduler`
+Each bug variant overrides one step of :class:`~kvoffload.model.offload.OffloadScheduler`
 and reproduces what vLLM did before PR #53532. ``check()`` names the invariant each one
 breaks:
 

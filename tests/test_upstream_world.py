@@ -10,7 +10,7 @@ import pytest
 
 from kvoffload.upstream.install import Cache, default_cache
 
-RELEASES = ["0.29.0", "0.34.0"]
+RELEASES = ["0.29.0", "0.30.0", "0.34.0"]
 
 
 @pytest.mark.parametrize("version", RELEASES)

@@ -116,6 +116,8 @@ class Cache:
             "HF_HUB_OFFLINE": "1",
             "KVOFFLOAD_VLLM_MODEL": str(self.model),
             "KVOFFLOAD_VLLM_VERSION": version,
+            # vLLM logs every config it builds at INFO: one per program drawn.
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
         }
 
 
