@@ -14,7 +14,7 @@ import pytest
 from kvoffload.impl import FAULTS
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
-from kvoffload.testing.campaign import MAX_SHRUNK_STEPS, run_campaign
+from kvoffload.testing.campaign import MAX_SHRUNK_STEPS, fault_campaign
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -22,7 +22,7 @@ def test_the_machine_finds_the_fault(
     fault: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the saved failure goes under this test's folder
-    result = run_campaign(f"fault:{fault}", profiles.get("ci"))
+    result = fault_campaign(fault, profiles.get("ci"))
     assert not result.conforms, f"the conformance machine did not find {fault}"
     assert result.failure is not None and result.shrunk_steps is not None
     assert result.shrunk_steps <= MAX_SHRUNK_STEPS, result.failure["program"]
