@@ -266,8 +266,7 @@ class Engine:
             cached = self.num_cached_blocks[req.request_id]
             num_full = num_tokens // size
             if num_full > cached[g]:
-                keys = block_keys(req.digests, g, size, hbs)
-                self.gpu_pool.cache_full_blocks(blocks, keys, cached[g], num_full)
+                self.cache_full_blocks(req, g, blocks, cached[g], num_full)
                 cached[g] = num_full
             if size == hbs:
                 continue
@@ -279,8 +278,22 @@ class Engine:
                 continue
             index = boundary // size
             if index < len(blocks):
-                key = fine_key(req.digests, boundary // hbs - 1, g, hbs)
-                self.gpu_pool.cache_partial_block(blocks[index], key)
+                self.cache_prompt_tail(req, g, blocks[index], boundary)
+
+    def cache_full_blocks(
+        self, req: Request, group: int, blocks: list[Block], start: int, end: int
+    ) -> None:
+        """Register ``req``'s keys on ``group``'s full blocks ``start <= i < end``."""
+        size = self.config.group_block_sizes[group]
+        keys = block_keys(req.digests, group, size, self.config.hash_block_size)
+        self.gpu_pool.cache_full_blocks(blocks, keys, start, end)
+
+    def cache_prompt_tail(self, req: Request, group: int, block: Block, boundary: int) -> None:
+        """Register the key of ``req``'s first ``boundary`` tokens on ``block``."""
+        hbs = self.config.hash_block_size
+        self.gpu_pool.cache_partial_block(
+            block, fine_key(req.digests, boundary // hbs - 1, group, hbs)
+        )
 
     def _update_waiting_for_remote_kv(self, req: Request) -> None:
         self.cache_blocks(req, req.num_computed_tokens)

@@ -8,6 +8,7 @@ import json
 import subprocess
 import textwrap
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import settings
@@ -18,8 +19,8 @@ from kvoffload.model.variants import VARIANTS, keeps_invariants
 from kvoffload.testing import stateful
 from kvoffload.testing.campaign import run_campaign
 from kvoffload.upstream.check import check_release, judge
-from kvoffload.upstream.engine import KeyMap
 from kvoffload.upstream.install import Cache, default_cache
+from kvoffload.upstream.keymap import KeyMap
 from kvoffload.upstream.releases import RELEASES, Check, release
 
 
@@ -97,7 +98,8 @@ REFRESH = [
 ]
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
-CASES = {
+Case = tuple[str, list[tuple[Any, ...]], str, str | None]
+CASES: dict[str, list[Case]] = {
     "0.29.0": [
         (SMALL, STAMP, "fixed", "call 3 ('step', 2): snapshots differ in ['cpu']"),
         (SMALL, FLUSH, "bug-53498-primary-only", "pending_flushes"),

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvoffload.model import violations
+from kvoffload.model import OffloadModel, violations
 
 from helpers import complete_all_stores, make, prompt
 
@@ -60,16 +60,22 @@ def test_phantom_primary_is_caught_at_the_completion_that_creates_it() -> None:
     assert model.snapshot().cpu.cached == ()
 
 
-def test_phantom_primary_keeps_secondary_keys_reachable() -> None:
-    """Stamp then insert: the secondary lands, the primary does not (vLLM #53498)."""
-    model = make(group_block_sizes=(4,), hash_block_size=2, variant="bug-53498-phantom-primary")
+def _store_with_prompt_tail(variant: str) -> OffloadModel:
+    """A 10-token prompt in 4-token blocks hashed by 2: its tail key (10 tokens) is a
+    secondary key of block 2; every store completed."""
+    model = make(group_block_sizes=(4,), hash_block_size=2, variant=variant)
     model.checked = False
     model.add_request("r", prompt(10), max_tokens=3)
     for _ in range(5):
         model.step(4)
     model.step(0)
     complete_all_stores(model)
-    cached = model.snapshot().cpu.cached
+    return model
+
+
+def test_phantom_primary_keeps_secondary_keys_reachable() -> None:
+    """Stamp then insert: the secondary lands, the primary does not (vLLM #53498)."""
+    cached = _store_with_prompt_tail("bug-53498-phantom-primary").snapshot().cpu.cached
     assert [key.num_tokens for key, _ in cached] == [10]  # only the prompt-tail secondary
 
 
@@ -79,13 +85,7 @@ def test_phantom_primary_keeps_secondary_keys_reachable() -> None:
 def test_primary_only_registers_the_stamp_without_count_or_secondary_keys() -> None:
     """vLLM 0.29.0: the stamped primary is inserted into the map directly at completion, so
     the block is reachable by it, with no token count, and its secondary keys are lost."""
-    model = make(group_block_sizes=(4,), hash_block_size=2, variant="bug-53498-primary-only")
-    model.checked = False
-    model.add_request("r", prompt(10), max_tokens=3)
-    for _ in range(5):
-        model.step(4)
-    model.step(0)
-    complete_all_stores(model)
+    model = _store_with_prompt_tail("bug-53498-primary-only")
     cpu = model.snapshot().cpu
     registered = [b for b in cpu.blocks if b.primary is not None]
     assert registered, "nothing was stored"

@@ -39,7 +39,8 @@ from kvoffload.model.validate import (
     require_request_fits,
     require_tokens,
 )
-from kvoffload.upstream.engine import KeyMap, VllmEngine
+from kvoffload.upstream.engine import VllmEngine
+from kvoffload.upstream.keymap import KeyMap
 from kvoffload.upstream.vllm_world import build, cached_entries, queued_final_flushes, supported
 
 
@@ -75,15 +76,15 @@ class VllmOffload:
         return self.engine.step(token_budget)
 
     def finish(self, request_id: str) -> FinishResult:
-        status = self.engine.status.get(request_id)
-        if status is None:
+        req = self.engine.requests.get(request_id)
+        if req is None:
             raise UnknownRequestError(f"unknown request {request_id!r}")
-        if status is RequestStatus.FINISHED:
+        if req.status is RequestStatus.FINISHED:
             raise RequestFinishedError(f"request {request_id!r} has already finished")
         flushed = self.engine.finish_request(request_id)
         if flushed is None:
             return FinishResult(request_id)
-        return FinishResult(request_id, tuple(flushed[0]), tuple(flushed[1]))
+        return FinishResult(request_id, tuple(flushed.gpu_block_ids), tuple(flushed.cpu_block_ids))
 
     def complete_store(self, event: int, worker: int = 0) -> bool:
         reports = self._accept("store", event, worker)
@@ -112,12 +113,7 @@ class VllmOffload:
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """vLLM's CPU coordinator asked for the prompt's longest hit (pins nothing)."""
-        prompt = require_tokens(tokens)
-        probe = self.engine.make_request("", prompt, 1)
-        _, hit, *_ = self.manager.cpu_coordinator.find_longest_cache_hit(
-            probe.block_hashes, len(prompt) - 1
-        )
-        return int(hit)
+        return self.engine.lookup(require_tokens(tokens))
 
     def reset(self) -> bool:
         return bool(self.manager.reset())
@@ -126,7 +122,9 @@ class VllmOffload:
         return bool(self.manager.has_pending_stores())
 
     def live_requests(self) -> list[str]:
-        return [r for r, s in self.engine.status.items() if s is not RequestStatus.FINISHED]
+        return [
+            r for r, req in self.engine.requests.items() if req.status is not RequestStatus.FINISHED
+        ]
 
     def outstanding(self, kind: str) -> list[tuple[int, int]]:
         if kind not in ("store", "load"):
@@ -178,21 +176,21 @@ def _load(state: Any) -> LoadView:
 
 
 def take_snapshot(engine: VllmEngine) -> Snapshot:
-    m = engine.connector
+    m = engine.world.scheduler
     keys = engine.keys
     return Snapshot(
-        gpu=pool_view(engine.gpu_pool, keys),
+        gpu=pool_view(engine.world.gpu_pool, keys),
         cpu=pool_view(m.cpu_block_pool, keys),
         requests=tuple(
             RequestView(
                 req_id,
-                engine.status[req_id].value,
-                req.num_tokens,
-                req.num_computed_tokens,
-                tuple(req.output_token_ids),
+                req.status.value,
+                req.vllm.num_tokens,
+                req.vllm.num_computed_tokens,
+                tuple(req.vllm.output_token_ids),
                 tuple(tuple(ids) for ids in engine.req_to_blocks.get(req_id, [])),
             )
-            for req_id, req in sorted(engine.requests.items())
+            for req_id, req in sorted(engine.vllm_requests().items())
         ),
         tracked=tuple(
             StoreTrackView(
