@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Sequence
 
+from kvoffload.model.errors import KVOffloadError
 from kvoffload.model.variants import VARIANTS
 
 
@@ -53,6 +55,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     install = sub.add_parser("install", help="install a vLLM release into the cache folder")
     install.add_argument("target", help="the release, as vllm==X.Y.Z")
     args = parser.parse_args(argv)
+    try:
+        return _run(args)
+    except KVOffloadError as error:
+        # Bad input (an unknown target, a release not installed): said plainly, no traceback.
+        print(f"kvoffload {args.command}: {error}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     if args.command == "demo":
         from kvoffload.model.demo import run_demo
 

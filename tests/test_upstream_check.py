@@ -86,7 +86,7 @@ def test_an_error_that_is_not_a_disagreement_never_passes_for_conformance(
 # vLLM 0.29.0 stamps the CPU block at allocation (call 3 differs from the fixed model) and
 # has no final flush (call 3 differs from the model with its registration).
 STAMP = [("add", "r0", [0, 1, 2, 3], 2), ("step", 2), ("step", 2), ("step", 2)]
-FLUSH = [("add", "r0", [0, 1, 2], 2), ("step", 2), ("step", 2), ("step", 2)]
+FLUSH = [("add", "r0", [0, 1, 2], 2), ("step", 8), ("drain",), ("step", 8)]
 REFRESH = [
     ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
     ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0], 1),
@@ -95,6 +95,18 @@ REFRESH = [
     ("step", 8),
     ("drain",),
     ("step", 8),
+]
+# Two loads sharing a CPU block finish together: vLLM frees them in the order of a set of
+# request ids (string hashing); the adapter passes them sorted, the model's order.
+LOADS_TOGETHER = [
+    ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
+    ("add", "r1", [5, 6, 0, 1], 1),
+    ("add", "r2", [5, 6, 0, 1], 1),
+    *[("step", 8), ("drain",)] * 4,
+    ("add", "r3", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 1),
+    ("add", "r4", [0, 1, 2, 3, 4, 5, 6, 0], 1),
+    ("step", 8),
+    ("drain",),
 ]
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
@@ -111,6 +123,7 @@ CASES: dict[str, list[Case]] = {
         (SMALL, FLUSH, "inclusive-cpu", None),
         (LARGE, REFRESH, "inclusive-cpu", None),
         (LARGE, REFRESH, "fixed", "call 6 ('step', 8): snapshots differ in ['cpu']"),
+        (LARGE, LOADS_TOGETHER, "inclusive-cpu", None),
     ],
 }
 
@@ -145,3 +158,15 @@ def test_vllm_programs_reach_the_verdicts_of_docs_upstream(version: str) -> None
             assert got is None, f"{variant}: {got}"
         else:
             assert got is not None and expected in got, f"{variant}: {got}"
+
+
+def test_the_command_line_names_a_missing_release_without_a_traceback(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvoffload.main import main
+
+    monkeypatch.setenv("KVOFFLOAD_VLLM_CACHE", str(tmp_path))
+    assert main(["verify", "--target", "vllm==0.34.0"]) == 2
+    assert "kvoffload install vllm==0.34.0" in capsys.readouterr().err
+    assert main(["verify", "--target", "no-such-adapter", "--no-mutants"]) == 2
+    assert "unknown target 'no-such-adapter'" in capsys.readouterr().err

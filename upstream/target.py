@@ -41,7 +41,7 @@ from kvoffload.model.validate import (
 )
 from kvoffload.upstream.engine import VllmEngine
 from kvoffload.upstream.keymap import KeyMap
-from kvoffload.upstream.vllm_world import build, cached_entries, queued_final_flushes, supported
+from kvoffload.upstream.vllm_world import build, cached_entries, queued_final_flushes
 
 
 class VllmOffload:
@@ -53,10 +53,6 @@ class VllmOffload:
         self.engine = VllmEngine(config, self.world)
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
-
-    @staticmethod
-    def supports(config: OffloadConfig) -> str | None:
-        return supported(config)
 
     @property
     def manager(self) -> Any:
