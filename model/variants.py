@@ -67,28 +67,35 @@ class PrimaryOnlyScheduler(PhantomPrimaryScheduler):
         self.cpu_pool._map_insert(stamp, cpu_block)
 
 
+def plan_selection_029(
+    storable: list[list[bool]], num_free: int
+) -> tuple[list[list[int]], list[int], bool]:
+    """vLLM 0.29.0's selection loop, as :func:`~kvoffload.model.arith.plan_selection` but
+    entering a group even when the CPU pool is full: the cursor still passes over blocks that
+    need no store (null, unhashed, in flight, present) up to the first block that does."""
+    picks: list[list[int]] = [[] for _ in storable]
+    advanced = [0] * len(storable)
+    taken = 0
+    for g, flags in enumerate(storable):
+        for ok in flags:
+            if ok:
+                if taken >= num_free:
+                    return picks, advanced, True
+                picks[g].append(advanced[g])
+                taken += 1
+            advanced[g] += 1
+    return picks, advanced, False
+
+
 class SharedBudgetScheduler(OffloadScheduler):
-    """vLLM 0.29.0's selection loop: a group is entered even when the CPU pool is full, so
-    the cursor still passes over blocks that need no store (null, unhashed, in flight,
-    present) up to the first block that does. From 0.30.0 on, a group is not entered once
-    the pool is full, and its cursor stays. Both retry the blocks not passed; only the
-    cursors differ."""
+    """vLLM 0.29.0's selection (:func:`plan_selection_029`). From 0.30.0 on, a group is not
+    entered once the pool is full, and its cursor stays. Both retry the blocks not passed;
+    only the cursors differ."""
 
     def plan(
         self, storable: list[list[bool]], num_free: int
     ) -> tuple[list[list[int]], list[int], bool]:
-        picks: list[list[int]] = [[] for _ in storable]
-        advanced = [0] * len(storable)
-        taken = 0
-        for g, flags in enumerate(storable):
-            for ok in flags:
-                if ok:
-                    if taken >= num_free:
-                        return picks, advanced, True
-                    picks[g].append(advanced[g])
-                    taken += 1
-                advanced[g] += 1
-        return picks, advanced, False
+        return plan_selection_029(storable, num_free)
 
 
 class NoFinalFlushScheduler(OffloadScheduler):

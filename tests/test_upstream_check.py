@@ -87,6 +87,14 @@ def test_an_error_that_is_not_a_disagreement_never_passes_for_conformance(
 # has no final flush (call 3 differs from the model with its registration).
 STAMP = [("add", "r0", [0, 1, 2, 3], 2), ("step", 2), ("step", 2), ("step", 2)]
 FLUSH = [("add", "r0", [0, 1, 2], 2), ("step", 8), ("drain",), ("step", 8)]
+# Two requests, one prompt, one CPU block: 0.29.0's cursor passes over the block in flight.
+CURSOR = [
+    ("add", "r0", [5, 6, 0, 1, 2, 3, 4, 5], 2),
+    ("add", "r1", [5, 6, 0, 1, 2, 3, 4, 5], 1),
+    ("step", 3),
+    ("step", 3),
+    ("step", 3),
+]
 REFRESH = [
     ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
     ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0], 1),
@@ -117,6 +125,8 @@ CASES: dict[str, list[Case]] = {
         (SMALL, FLUSH, "bug-53498-primary-only", "pending_flushes"),
         (SMALL, STAMP, "vllm-0.29", None),
         (SMALL, FLUSH, "vllm-0.29", None),
+        (SMALL, CURSOR, "bug-53498-primary-only", "snapshots differ in ['tracked']"),
+        (SMALL, CURSOR, "vllm-0.29", None),
     ],
     "0.30.0": [(SMALL, STAMP, "fixed", None), (SMALL, FLUSH, "fixed", None)],
     "0.34.0": [

@@ -152,3 +152,15 @@ def test_inclusive_cpu_reset_releases_the_pins_of_unallocated_cpu_hits() -> None
         pinned[variant] = model.snapshot().pending_hits
     assert pinned["fixed"] != ()
     assert pinned["inclusive-cpu"] == ()
+
+
+def test_the_0_29_selection_passes_over_what_needs_no_store_when_the_pool_is_full() -> None:
+    """The plans side by side: a block in flight, then one to store, no CPU block free."""
+    from kvoffload.model.arith import plan_selection
+    from kvoffload.model.variants import plan_selection_029
+
+    storable = [[False, True], [True]]
+    assert plan_selection(storable, 0) == ([[], []], [0, 0], True)
+    assert plan_selection_029(storable, 0) == ([[], []], [1, 0], True)
+    # With room, both take the same blocks and pass the same ones.
+    assert plan_selection_029(storable, 2) == plan_selection(storable, 2)
