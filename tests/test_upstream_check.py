@@ -61,8 +61,8 @@ def test_the_key_map_pairs_vllm_hashes_with_model_digests() -> None:
     keys = KeyMap(hash_block_size=2)
     tokens = [3, 1, 4, 1, 5]
     hashes = [b"h-one", b"h-two"]  # vLLM's hashes of the two full hash blocks
-    keys.learn(tokens, hashes)
     digests = prefix_digests(tokens, 2)
+    keys.learn(digests, hashes)
     group1 = (1).to_bytes(4, "big")
     assert keys.key(b"h-two" + group1) == BlockKey(1, 4, digests[1])
     assert keys.vllm_key(BlockKey(0, 2, digests[0])) == b"h-one" + bytes(4)

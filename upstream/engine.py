@@ -54,7 +54,7 @@ class VllmRequest(Request):
             )
         )
         super().__init__(request_id, tuple(prompt), max_tokens, engine.config.hash_block_size)
-        self.keys.learn(self.all_token_ids, self.vllm.block_hashes)
+        self.keys.learn(self.digests, self.vllm.block_hashes)
 
     # The manager reads the vLLM request's count: the model's engine writes it there.
     @property
@@ -68,7 +68,7 @@ class VllmRequest(Request):
     def append_output(self, token: int) -> None:
         super().append_output(token)
         self.vllm.append_output_token_ids(token)
-        self.keys.learn(self.all_token_ids, self.vllm.block_hashes)
+        self.keys.learn(self.digests, self.vllm.block_hashes)
 
 
 def _vllm(request: Request) -> Any:

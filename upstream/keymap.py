@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvoffload.model.keys import BlockKey, prefix_digests
+from kvoffload.model.keys import BlockKey
 
 
 class KeyMap:
@@ -22,16 +22,11 @@ class KeyMap:
         self._to_model: dict[bytes, tuple[str, int]] = {}
         self._to_vllm: dict[str, bytes] = {}
 
-    def learn(self, tokens: Sequence[int], hashes: Sequence[bytes]) -> None:
-        """Pair vLLM's ``hashes`` of ``tokens`` with the model's digests of the same."""
-        if all(bytes(h) in self._to_model for h in hashes):
-            return
-        digests = prefix_digests(tokens, self.hash_block_size)
-        for j, block_hash in enumerate(hashes):
-            self._to_model.setdefault(
-                bytes(block_hash), (digests[j], (j + 1) * self.hash_block_size)
-            )
-            self._to_vllm.setdefault(digests[j], bytes(block_hash))
+    def learn(self, digests: Sequence[str], hashes: Sequence[bytes]) -> None:
+        """Pair vLLM's ``hashes`` of a token sequence with the model's ``digests`` of it."""
+        for j, (digest, block_hash) in enumerate(zip(digests, hashes, strict=True)):
+            self._to_model.setdefault(bytes(block_hash), (digest, (j + 1) * self.hash_block_size))
+            self._to_vllm.setdefault(digest, bytes(block_hash))
 
     def key(self, vllm_key: bytes) -> BlockKey:
         """The model's key for a vLLM key (hash and group)."""

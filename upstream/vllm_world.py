@@ -12,6 +12,7 @@ parameters).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import os
 from dataclasses import dataclass
@@ -31,19 +32,22 @@ def version() -> str:
 
 def keywords(cls: Any, **candidates: Any) -> dict[str, Any]:
     """The candidates ``cls`` accepts: fields appear and vanish between releases."""
-    accepted = inspect.signature(cls).parameters
+    accepted = _parameters(cls)
     return {k: v for k, v in candidates.items() if k in accepted}
+
+
+@functools.cache
+def _parameters(cls: Any) -> frozenset[str]:
+    # Read once per class: the engine builds requests and scheduler outputs every step.
+    return frozenset(inspect.signature(cls).parameters)
 
 
 @dataclass
 class World:
-    vllm_config: Any
     kv_cache_config: Any
     gpu_pool: Any
     scheduler: Any
     block_hasher: Any
-    sampling_params: Any
-    bytes_per_block: int
 
 
 def supported(config: OffloadConfig) -> str | None:
@@ -65,7 +69,6 @@ def build(config: OffloadConfig) -> World:
         SchedulerConfig,
         VllmConfig,
     )
-    from vllm.sampling_params import SamplingParams
     from vllm.utils.hashing import sha256
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -133,14 +136,14 @@ def build(config: OffloadConfig) -> World:
         )
     )
     gpu_pool = BlockPool(config.gpu_blocks, True, config.hash_block_size)
-    # vLLM sizes the CPU pool as gpu_blocks * capacity // (the first tensor's size)
-    bytes_per_block = page
     scheduler = SimpleCPUOffloadScheduler(
         **keywords(
             SimpleCPUOffloadScheduler,
             vllm_config=vllm_config,
             kv_cache_config=kv_cache_config,
-            cpu_capacity_bytes=bytes_per_block * config.cpu_blocks,
+            # 0.29.0 sizes the CPU pool as gpu_blocks * capacity // (the first tensor's
+            # size), which is cpu_blocks; 0.34.0 takes num_cpu_blocks and checks it fits.
+            cpu_capacity_bytes=page * config.cpu_blocks,
             num_cpu_blocks=config.cpu_blocks,
             scheduler_block_size=config.scheduler_block_size,
             hash_block_size=config.hash_block_size,
@@ -153,13 +156,10 @@ def build(config: OffloadConfig) -> World:
     scheduler._expected_worker_count = config.world_size
     init_none_hash(sha256)
     return World(
-        vllm_config,
         kv_cache_config,
         gpu_pool,
         scheduler,
         get_request_block_hasher(config.hash_block_size, sha256),
-        SamplingParams(max_tokens=1),
-        bytes_per_block,
     )
 
 
