@@ -155,11 +155,7 @@ def run_verify(
     if adapter not in known:
         raise ConfigError(f"unknown target {adapter!r}; known here: {sorted(known)}")
     result = run_campaign(adapter, profile, seconds=seconds, progress=True)
-    print(f"conformance of {adapter}: {'conforms' if result.conforms else 'DISAGREES'}")
-    print(coverage(result.recorder))
-    if result.failure is not None:
-        print("\n" + result.failure["disagreement"])
-        print("\nreproduce with:\n" + reproducer(result.failure))
+    print_result(result, f"conformance of {adapter}: ")
     ok = result.conforms
     if mutants:
         name, matrix_settings = matrix_profile(profile_name)
@@ -168,6 +164,15 @@ def run_verify(
         print(matrix_verdict(matrix))
         ok = ok and matrix_meets_targets(matrix)
     return 0 if ok else 1
+
+
+def print_result(result: CampaignResult, label: str = "", where: str = "") -> None:
+    """The verdict, the coverage, and a failure with its reproducer (to run ``where``)."""
+    print(label + ("conforms" if result.conforms else "DISAGREES"))
+    print(coverage(result.recorder))
+    if result.failure is not None:
+        print("\n" + result.failure["disagreement"])
+        print(f"\nreproduce{where} with:\n" + reproducer(result.failure))
 
 
 def matrix_meets_targets(matrix: list[CampaignResult]) -> bool:

@@ -69,21 +69,15 @@ def judge(check: Check, result: dict[str, Any]) -> str | None:
 def run_checks(version: str, profile_name: str | None, seconds: float | None) -> list[Any]:
     """Every check of ``version``, in this process (vLLM must import here)."""
     from kvoffload.testing import profiles
-    from kvoffload.testing.campaign import coverage, run_campaign
-    from kvoffload.testing.stateful import reproducer
+    from kvoffload.testing.campaign import print_result, run_campaign
 
     profile = profiles.load(profile_name)
     results = []
     for check in release(version).checks:
         print(f"\n== vllm=={version} vs the model variant {check.variant}: {check.why}")
         outcome = run_campaign("vllm", profile, seconds, progress=True, variant=check.variant)
-        print("conforms" if outcome.conforms else "DISAGREES")
-        print(coverage(outcome.recorder))
+        print_result(outcome, where=f" (in the environment of vllm=={version})")
         failure = outcome.failure
-        if failure is not None:
-            print("\n" + failure["disagreement"])
-            print(f"\nreproduce (in the environment of vllm=={version}) with:")
-            print(reproducer(failure))
         results.append(
             {
                 "variant": check.variant,
