@@ -29,6 +29,7 @@ from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import Snapshot
 from kvoffload.model.types import NO_EVENT, FinishResult, StepResult
 from kvoffload.model.validate import (
+    owed_completions,
     require_completion,
     require_int,
     require_request_fits,
@@ -190,12 +191,7 @@ class OffloadImpl:
             if kind == "store"
             else (self.connector.next_load_event, self._load_reports)
         )
-        return [
-            (e, w)
-            for e in range(counter)
-            for w in range(self.config.world_size)
-            if w not in table.get(e, set())
-        ]
+        return owed_completions(self.config, counter, table)
 
     def snapshot(self) -> Snapshot:
         return take_snapshot(self.engine)

@@ -26,6 +26,7 @@ from kvoffload.model.observe import take_snapshot
 from kvoffload.model.snapshot import Snapshot
 from kvoffload.model.types import FinishResult, StepResult
 from kvoffload.model.validate import (
+    owed_completions,
     require_completion,
     require_int,
     require_request_fits,
@@ -136,12 +137,7 @@ class OffloadModel:
             counter, table = self.engine.connector.load_event_counter, self._load_reports
         else:
             raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
-        return [
-            (event, worker)
-            for event in range(counter)
-            for worker in range(self.config.world_size)
-            if worker not in table.get(event, set())
-        ]
+        return owed_completions(self.config, counter, table)
 
     def snapshot(self) -> Snapshot:
         return take_snapshot(self.engine)

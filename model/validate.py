@@ -64,3 +64,16 @@ def require_completion(
         raise UnknownEventError(f"{kind} event {event} was never issued (next is {counter})")
     if worker in reported:
         raise DuplicateCompletionError(f"worker {worker} already reported {kind} event {event}")
+
+
+def owed_completions(
+    config: OffloadConfig, counter: int, reports: dict[int, set[int]]
+) -> list[tuple[int, int]]:
+    """The (event, worker) completions still owed: every issued event below ``counter``, for
+    every worker that has not reported it (the other side of :func:`require_completion`)."""
+    return [
+        (event, worker)
+        for event in range(counter)
+        for worker in range(config.world_size)
+        if worker not in reports.get(event, set())
+    ]

@@ -34,6 +34,7 @@ from kvoffload.model.snapshot import (
 )
 from kvoffload.model.types import FinishResult, StepResult
 from kvoffload.model.validate import (
+    owed_completions,
     require_completion,
     require_int,
     require_request_fits,
@@ -126,12 +127,7 @@ class VllmOffload:
         if kind not in ("store", "load"):
             raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
         table = self._store_reports if kind == "store" else self._load_reports
-        return [
-            (event, worker)
-            for event in range(self._counter(kind))
-            for worker in range(self.config.world_size)
-            if worker not in table.get(event, set())
-        ]
+        return owed_completions(self.config, self._counter(kind), table)
 
     def snapshot(self) -> Snapshot:
         return take_snapshot(self.engine)
