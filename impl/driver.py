@@ -21,9 +21,6 @@ from kvoffload.impl.worker import KVLayout, Worker
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import (
     ConfigError,
-    DuplicateRequestError,
-    RequestFinishedError,
-    UnknownRequestError,
 )
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import Snapshot
@@ -32,7 +29,8 @@ from kvoffload.model.validate import (
     owed_completions,
     require_completion,
     require_int,
-    require_request_fits,
+    require_live_request,
+    require_new_request,
     require_tokens,
 )
 
@@ -86,10 +84,9 @@ class OffloadImpl:
     # -- the driver API -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
-        tokens = require_tokens(prompt)
-        require_request_fits(self.config, request_id, tokens, max_tokens)
-        if request_id in self.engine.requests:
-            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        tokens = require_new_request(
+            self.config, request_id, prompt, max_tokens, self.engine.requests
+        )
         self.engine.add(request_id, tokens, max_tokens)
 
     def step(self, token_budget: int) -> StepResult:
@@ -111,10 +108,7 @@ class OffloadImpl:
 
     def finish(self, request_id: str) -> FinishResult:
         req = self.engine.requests.get(request_id)
-        if req is None:
-            raise UnknownRequestError(f"unknown request {request_id!r}")
-        if req.status is Status.FINISHED:
-            raise RequestFinishedError(f"request {request_id!r} has already finished")
+        require_live_request(request_id, None if req is None else req.status)
         flush = self.engine.finish(request_id)
         if flush is None:
             return FinishResult(request_id)

@@ -14,10 +14,7 @@ from kvoffload.model.config import OffloadConfig
 from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import (
     ConfigError,
-    DuplicateRequestError,
     InvalidArgumentError,
-    RequestFinishedError,
-    UnknownRequestError,
 )
 from kvoffload.model.invariants import check
 from kvoffload.model.keys import prefix_digests
@@ -29,7 +26,8 @@ from kvoffload.model.validate import (
     owed_completions,
     require_completion,
     require_int,
-    require_request_fits,
+    require_live_request,
+    require_new_request,
     require_tokens,
 )
 from kvoffload.model.variants import VARIANTS
@@ -52,10 +50,9 @@ class OffloadModel:
 
     def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
         """Queue a request; it decodes ``max_tokens`` tokens after its prompt, then finishes."""
-        tokens = require_tokens(prompt)
-        require_request_fits(self.config, request_id, tokens, max_tokens)
-        if request_id in self.engine.requests:
-            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        tokens = require_new_request(
+            self.config, request_id, prompt, max_tokens, self.engine.requests
+        )
         self._begin()
         self.engine.add_request(request_id, tokens, max_tokens)
         self._end()
@@ -150,10 +147,7 @@ class OffloadModel:
 
     def _known_live_request(self, request_id: str) -> None:
         req = self.engine.requests.get(request_id)
-        if req is None:
-            raise UnknownRequestError(f"unknown request {request_id!r}")
-        if req.status is RequestStatus.FINISHED:
-            raise RequestFinishedError(f"request {request_id!r} has already finished")
+        require_live_request(request_id, None if req is None else req.status)
 
     def _completion(
         self, kind: str, event: int, worker: int, counter: int, table: dict[int, set[int]]

@@ -3,13 +3,16 @@ the error it raises. Checks only; nothing here changes state."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import (
     DuplicateCompletionError,
+    DuplicateRequestError,
     InvalidArgumentError,
+    RequestFinishedError,
     UnknownEventError,
+    UnknownRequestError,
 )
 
 
@@ -43,6 +46,31 @@ def require_request_fits(
             f"request {request_id!r} needs {need} GPU blocks for {len(tokens)} prompt and "
             f"{max_tokens - 1} computed output tokens; the GPU pool has {config.gpu_blocks - 1}"
         )
+
+
+def require_new_request(
+    config: OffloadConfig,
+    request_id: str,
+    prompt: Sequence[int],
+    max_tokens: int,
+    known: Container[str],
+) -> tuple[int, ...]:
+    """A new request: valid tokens, fits the GPU pool alone, an id not used before. Returns
+    the prompt's tokens."""
+    tokens = require_tokens(prompt)
+    require_request_fits(config, request_id, tokens, max_tokens)
+    if request_id in known:
+        raise DuplicateRequestError(f"request {request_id!r} already exists")
+    return tokens
+
+
+def require_live_request(request_id: str, status: str | None) -> None:
+    """A request to finish must exist (``status`` None: unknown) and not be finished.
+    ``status`` is the request's status, whose value names it (``"finished"``)."""
+    if status is None:
+        raise UnknownRequestError(f"unknown request {request_id!r}")
+    if status == "finished":
+        raise RequestFinishedError(f"request {request_id!r} has already finished")
 
 
 def require_completion(

@@ -18,10 +18,7 @@ from typing import Any
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.engine import RequestStatus
 from kvoffload.model.errors import (
-    DuplicateRequestError,
     InvalidArgumentError,
-    RequestFinishedError,
-    UnknownRequestError,
 )
 from kvoffload.model.snapshot import (
     BlockView,
@@ -37,7 +34,8 @@ from kvoffload.model.validate import (
     owed_completions,
     require_completion,
     require_int,
-    require_request_fits,
+    require_live_request,
+    require_new_request,
     require_tokens,
 )
 from kvoffload.upstream.engine import VllmEngine
@@ -62,10 +60,9 @@ class VllmOffload:
     # -- the driver API -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
-        tokens = require_tokens(prompt)
-        require_request_fits(self.config, request_id, tokens, max_tokens)
-        if request_id in self.engine.requests:
-            raise DuplicateRequestError(f"request {request_id!r} already exists")
+        tokens = require_new_request(
+            self.config, request_id, prompt, max_tokens, self.engine.requests
+        )
         self.engine.add_request(request_id, tokens, max_tokens)
 
     def step(self, token_budget: int) -> StepResult:
@@ -74,10 +71,7 @@ class VllmOffload:
 
     def finish(self, request_id: str) -> FinishResult:
         req = self.engine.requests.get(request_id)
-        if req is None:
-            raise UnknownRequestError(f"unknown request {request_id!r}")
-        if req.status is RequestStatus.FINISHED:
-            raise RequestFinishedError(f"request {request_id!r} has already finished")
+        require_live_request(request_id, None if req is None else req.status)
         flushed = self.engine.finish_request(request_id)
         if flushed is None:
             return FinishResult(request_id)
