@@ -116,6 +116,22 @@ LOADS_TOGETHER = [
     ("step", 8),
     ("drain",),
 ]
+# Bad input: each call must raise the model's error, naming the problem, and change nothing.
+BAD_INPUT = [
+    ("add", "r0", [0, 1, 2, 3], 1),
+    ("add", "r0", [1, 2], 1),
+    ("add", "r1", [], 1),
+    ("add", "r2", list(range(40)), 1),
+    ("finish", "nope"),
+    ("store", 5, 0),
+    ("step", -1),
+    ("step", 8),  # r0 finishes; its final flush goes out with the next step
+    ("step", 0),
+    ("store", 0, 3),
+    ("store", 0, 0),
+    ("store", 0, 0),
+    ("finish", "r0"),
+]
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
 Case = tuple[str, list[tuple[Any, ...]], str, str | None]
@@ -134,6 +150,7 @@ CASES: dict[str, list[Case]] = {
         (LARGE, REFRESH, "inclusive-cpu", None),
         (LARGE, REFRESH, "fixed", "call 6 ('step', 8): snapshots differ in ['cpu']"),
         (LARGE, LOADS_TOGETHER, "inclusive-cpu", None),
+        (SMALL, BAD_INPUT, "inclusive-cpu", None),
     ],
 }
 
