@@ -116,7 +116,6 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.program: list[Call] = []
         self.next_id = 0
         self.prompts: list[list[int]] = []
-        self.fillers = 0
         self.rule_steps = 0
         type(self).recorder.programs += 1
         type(self).recorder.failure = None  # what a failing example leaves is its own
@@ -248,6 +247,8 @@ class LoadingConformanceMachine(ConformanceMachine):
     alone, since its targets are about shrinking and a rule that runs a whole scenario can
     hold the shrinker in a longer counterexample (``lookup-pin-missing``: 12 rules with it,
     4 without)."""
+
+    fillers = 0  # fillers run by this program (each machine starts from the class's 0)
 
     # A CPU load needs a prompt whose blocks have left the GPU but are still on the CPU,
     # which random rules seldom arrange (loads were in about 1 program in 300). Here a
