@@ -251,7 +251,7 @@ class LoadingConformanceMachine(ConformanceMachine):
     fillers = 0  # fillers run by this program (each machine starts from the class's 0)
 
     # A CPU load needs a prompt whose blocks have left the GPU but are still on the CPU,
-    # which random rules seldom arrange (loads were in about 1 program in 300). Here a
+    # which random rules seldom arrange (loads were in about 1 program in 45). Here a
     # filler prompt, never seen before and up to as long as the GPU pool allows, runs to the
     # end and evicts the least recently used GPU blocks; then, unless ``recall`` is False, an
     # earlier prompt comes back and loads from the CPU, its load left in flight for the other
