@@ -15,21 +15,33 @@ from kvoffload.model.errors import (
     UnknownRequestError,
 )
 
+# vLLM keeps token ids as int32 (the input batch's ``token_ids_cpu``), so a larger id is not
+# a token of any vocabulary; Python would take it, and the hashes and KV bytes with it.
+MAX_TOKEN_ID = 2**31 - 1
 
-def require_int(name: str, value: object, minimum: int) -> int:
+
+def require_int(name: str, value: object, minimum: int, maximum: int | None = None) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
         raise InvalidArgumentError(f"{name} must be an int, got {value!r}")
     if value < minimum:
         raise InvalidArgumentError(f"{name} must be >= {minimum}, got {value}")
+    if maximum is not None and value > maximum:
+        raise InvalidArgumentError(f"{name} must be <= {maximum}, got {value}")
     return value
 
 
 def require_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
-    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence) or not tokens:
+    """The prompt as a tuple of valid token ids. The tuple is taken first and validated
+    after: a sequence whose items change between two iterations must not slip ids past the
+    check (the tuple checked is the tuple used)."""
+    if isinstance(tokens, (str, bytes)) or not isinstance(tokens, Sequence):
         raise InvalidArgumentError(f"tokens must be a non-empty sequence of ints, got {tokens!r}")
-    for t in tokens:
-        require_int("token id", t, 0)
-    return tuple(tokens)
+    taken = tuple(tokens)
+    if not taken:
+        raise InvalidArgumentError(f"tokens must be a non-empty sequence of ints, got {tokens!r}")
+    for t in taken:
+        require_int("token id", t, 0, MAX_TOKEN_ID)
+    return taken
 
 
 def require_request_fits(

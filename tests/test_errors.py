@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from typing import overload
 
 import pytest
 
@@ -36,6 +37,32 @@ def _busy(kind: str) -> OffloadModel | OffloadImpl:
     return model
 
 
+class Shifty(Sequence[int]):
+    """A prompt whose items change each time it is iterated: valid ids the first time, a
+    negative one after."""
+
+    def __init__(self) -> None:
+        self.rounds = 0
+
+    def __len__(self) -> int:
+        return 3
+
+    @overload
+    def __getitem__(self, index: int) -> int: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[int]: ...
+    def __getitem__(self, index: int | slice) -> int | Sequence[int]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(3))]
+        if not 0 <= index < 3:
+            raise IndexError(index)
+        return -1 if self.rounds > 1 else index
+
+    def __iter__(self) -> Iterator[int]:
+        self.rounds += 1
+        return iter([self[i] for i in range(3)])
+
+
 Target = OffloadModel | OffloadImpl
 CASES: list[tuple[Callable[[Target], object], type[KVOffloadError], str]] = [
     (lambda m: m.add_request("live", [1]), DuplicateRequestError, "'live' already exists"),
@@ -43,6 +70,9 @@ CASES: list[tuple[Callable[[Target], object], type[KVOffloadError], str]] = [
     (lambda m: m.add_request("x", []), InvalidArgumentError, "non-empty sequence"),
     (lambda m: m.add_request("x", [1, -2]), InvalidArgumentError, "token id must be >= 0"),
     (lambda m: m.add_request("x", "abc"), InvalidArgumentError, "sequence of ints"),  # type: ignore[arg-type]
+    (lambda m: m.add_request("x", [1, 10**30]), InvalidArgumentError, "must be <= 2147483647"),
+    (lambda m: m.add_request("x", [True]), InvalidArgumentError, "token id must be an int"),
+    (lambda m: m.lookup([2**31]), InvalidArgumentError, "token id must be <= 2147483647"),
     (lambda m: m.add_request("x", [1], max_tokens=0), InvalidArgumentError, "max_tokens"),
     (lambda m: m.step(-1), InvalidArgumentError, "token_budget must be >= 0"),
     (lambda m: m.finish("nope"), UnknownRequestError, "unknown request 'nope'"),
@@ -67,6 +97,20 @@ def test_bad_input_raises_and_leaves_state_unchanged(
         call(target)
     assert target.snapshot() == before
     if isinstance(target, OffloadModel):
+        target.check()
+
+
+@pytest.mark.parametrize("kind", ["model", "impl"])
+def test_a_prompt_is_validated_as_it_is_used(kind: str) -> None:
+    """The tuple taken from a prompt is the one checked: a sequence that changes between two
+    iterations adds the tokens it held when validated, never unvalidated ones."""
+    target = _busy(kind)
+    target.add_request("shifty", Shifty(), max_tokens=1)
+    added = next(r for r in target.snapshot().requests if r.request_id == "shifty")
+    assert added.num_tokens == 3
+    target.step(8)
+    if isinstance(target, OffloadModel):
+        assert target.engine.requests["shifty"].prompt == (0, 1, 2)
         target.check()
 
 
