@@ -1,18 +1,101 @@
-"""The ``kvoffload`` command line."""
+"""The ``kvoffload`` command line.
+
+Exit status, for every subcommand:
+
+- 0: the target conforms (or reaches the verdict expected of it); the command did its job;
+- 1: a disagreement (or a verdict other than the one expected): the output says which;
+- 2: bad usage or bad input (an unknown target, an unreadable failure file, an output folder
+  that does not exist): one line on standard error, before anything runs or is written;
+- 3: a broken setup (a target that cannot be built, a release environment that fails, a
+  package that is not installed) or an error of kvoffload itself: what broke is said.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import sys
+import traceback
+import warnings
 from collections.abc import Sequence
+from pathlib import Path
+from typing import NoReturn
 
-from kvoffload.model.errors import KVOffloadError
+from kvoffload.model.errors import KVOffloadError, SetupError
 from kvoffload.model.variants import VARIANTS
 
+EXIT_CODES = """exit status: 0 conforms (or as expected), 1 a disagreement, 2 bad usage or input,
+3 a broken setup (or an error of kvoffload itself)"""
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvoffload", description="Verification kit for KV-cache CPU offloading."
+# Packages some subcommands import, and how to get them.
+INSTALL = {
+    "torch": "pip install torch==2.13.0 (the implementation, the conformance machine)",
+    "hypothesis": "pip install hypothesis",
+    "z3": "pip install z3-solver",
+    "crosshair": "pip install crosshair-tool",
+    "redis": "pip install 'kvoffload[redis]' (a shared example database on Redis)",
+}
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse, with usage errors said in one line (exit status 2)."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message}\n")
+
+
+def seconds(text: str) -> float:
+    """A finite number of seconds greater than zero."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"seconds must be finite and > 0, got {text!r}")
+    return value
+
+
+def count(text: str) -> int:
+    """A whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a seed is >= 0, got {value}")
+    return value
+
+
+def output_file(text: str) -> str:
+    """A file that can be written: checked before the command runs, so that a long run never
+    ends in a failure to save what it found."""
+    path = Path(text)
+    folder = path.parent
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a folder, not a file")
+    if not folder.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {folder} of {text} does not exist")
+    if not os.access(folder, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written")
+    return text
+
+
+def build_parser() -> Parser:
+    parser = Parser(
+        prog="kvoffload",
+        description="Verification kit for KV-cache CPU offloading.",
+        epilog=EXIT_CODES,
     )
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="walk one offloading story step by step")
@@ -23,18 +106,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="the model variant to run (default: fixed)",
     )
     bench = sub.add_parser("bench", help="measure copy bandwidth and scheduler cost")
-    bench.add_argument("--output", help="also write the markdown report to this file")
+    bench.add_argument(
+        "--output", type=output_file, help="also write the markdown report to this file"
+    )
     bench.add_argument("--quick", action="store_true", help="a small, fast subset")
     prove = sub.add_parser("prove", help="check the z3 proofs of the model's invariants")
     prove.add_argument("--verbose", action="store_true", help="print every witness")
-    verify = sub.add_parser("verify", help="conformance campaign and mutation matrix")
+    verify = sub.add_parser(
+        "verify", help="conformance campaign and mutation matrix", epilog=EXIT_CODES
+    )
     verify.add_argument(
         "--profile",
         choices=["fast", "ci", "nightly"],
         help="profile of the conformance campaign (default: ci with CI set, else fast); the "
         "mutation matrix runs ci, or nightly when that is chosen",
     )
-    verify.add_argument("--seconds", type=float, help="run the campaign for this long")
+    verify.add_argument("--seconds", type=seconds, help="run the campaign for this long")
     verify.add_argument(
         "--target",
         help="adapter to verify (default: impl, or impl-cuda), or a vLLM release as "
@@ -44,23 +131,87 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--install", action="store_true", help="with --target vllm==X: install it if absent"
     )
     verify.add_argument("--no-mutants", action="store_true", help="skip the mutation matrix")
+    verify.add_argument(
+        "--seed", type=seed, help="a random profile's seed (printed by every campaign)"
+    )
+    verify.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write the verdict as JSON"
+    )
     mutants = sub.add_parser("mutants", help="the mutation matrix: is every fault found?")
     mutants.add_argument(
         "--profile", choices=["ci", "nightly"], help="Hypothesis profile (default: ci)"
     )
-    mutants.add_argument("--write", help="also write the bug catalogue page to this file")
-    replay = sub.add_parser("replay", help="a saved failure as a pytest regression file")
+    mutants.add_argument(
+        "--write", type=output_file, help="also write the bug catalogue page to this file"
+    )
+    replay = sub.add_parser(
+        "replay", help="a saved failure as a pytest file, or run again", epilog=EXIT_CODES
+    )
     replay.add_argument("failure", help="a JSON file under .hypothesis/kvoffload-failures/")
-    replay.add_argument("--output", help="write the test to this file")
+    replay.add_argument("--output", type=output_file, help="write the test to this file")
+    replay.add_argument(
+        "--run",
+        action="store_true",
+        help="drive the failure's program again (for vLLM, in its release's environment): "
+        "exit status 1 while it disagrees, 0 once it conforms",
+    )
+    fuzz = sub.add_parser(
+        "fuzz",
+        help="the campaign in several processes sharing one example database",
+        epilog=EXIT_CODES,
+    )
+    fuzz.add_argument(
+        "--target", help="as for verify (default: impl, or impl-cuda); or vllm==X.Y.Z"
+    )
+    fuzz.add_argument("--workers", type=count, default=2, help="processes (default: 2)")
+    fuzz.add_argument(
+        "--seconds", type=seconds, default=60.0, help="how long each worker runs (default: 60)"
+    )
+    fuzz.add_argument(
+        "--database",
+        metavar="FOLDER|redis://HOST:PORT[/DB]",
+        help="the shared example database (default: .hypothesis/examples); a Redis server "
+        "shares it between machines",
+    )
+    fuzz.add_argument(
+        "--profile", choices=["fast", "nightly"], help="Hypothesis profile (default: nightly)"
+    )
+    fuzz.add_argument(
+        "--seed", type=seed, help="worker k runs from seed SEED + k * 1000000 (printed)"
+    )
     install = sub.add_parser("install", help="install a vLLM release into the cache folder")
     install.add_argument("target", help="the release, as vllm==X.Y.Z")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    # torch warns at import where NumPy is absent, which it never needs here.
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    args = build_parser().parse_args(argv)
     try:
         return _run(args)
+    except SetupError as error:
+        print(f"kvoffload {args.command}: broken setup: {error}", file=sys.stderr)
+        return 3
     except KVOffloadError as error:
         # Bad input (an unknown target, a release not installed): said plainly, no traceback.
         print(f"kvoffload {args.command}: {error}", file=sys.stderr)
         return 2
+    except Exception as error:
+        missing = (getattr(error, "name", None) or "").partition(".")[0]
+        if isinstance(error, ModuleNotFoundError) and missing in INSTALL:
+            print(
+                f"kvoffload {args.command}: needs the package {missing!r}: {INSTALL[missing]}",
+                file=sys.stderr,
+            )
+            return 3
+        traceback.print_exc()
+        print(
+            f"kvoffload {args.command}: internal error, a bug of kvoffload: "
+            f"{type(error).__name__}: {error}",
+            file=sys.stderr,
+        )
+        return 3
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -69,17 +220,25 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_demo(args.variant)
     if args.command in ("verify", "mutants", "replay"):
-        from kvoffload.testing import campaign
-
         if args.command == "verify" and (args.target or "").startswith("vllm=="):
             from kvoffload.upstream.check import check_release
 
             return check_release(args.target, args.profile, args.seconds, args.install)
+        from kvoffload.testing import campaign
+
         if args.command == "verify":
-            return campaign.run_verify(args.profile, args.seconds, args.target, not args.no_mutants)
+            return campaign.run_verify(
+                args.profile, args.seconds, args.target, not args.no_mutants, args.seed, args.json
+            )
         if args.command == "mutants":
             return campaign.run_mutants(args.profile, args.write)
-        return campaign.run_replay(args.failure, args.output)
+        return campaign.run_replay(args.failure, args.output, args.run)
+    if args.command == "fuzz":
+        from kvoffload.testing.fuzz import run_fuzz
+
+        return run_fuzz(
+            args.target, args.workers, args.seconds, args.database, args.profile, args.seed
+        )
     if args.command == "install":
         from kvoffload.upstream.install import install_command
 

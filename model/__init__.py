@@ -17,6 +17,7 @@ from kvoffload.model.errors import (
     InvariantViolation,
     KVOffloadError,
     RequestFinishedError,
+    SetupError,
     UnknownEventError,
     UnknownRequestError,
 )
@@ -43,6 +44,7 @@ __all__ = [
     "OffloadConfig",
     "OffloadModel",
     "RequestFinishedError",
+    "SetupError",
     "Snapshot",
     "StepResult",
     "UnknownEventError",

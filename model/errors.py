@@ -15,6 +15,8 @@ before it mutates anything.
 - :class:`DuplicateCompletionError`: a worker reporting the same event twice, or more
   completions than ``world_size``.
 - :class:`InvariantViolation`: a named invariant does not hold; ``invariant`` holds its ID.
+- :class:`SetupError`: the tool cannot run what was asked (a target that cannot be built, a
+  release environment that is broken): neither a verdict nor bad input (exit status 3).
 """
 
 from __future__ import annotations
@@ -66,3 +68,8 @@ class InvariantViolation(KVOffloadError, AssertionError):
 
 class DataIntegrityError(KVOffloadError):
     """A CPU block's bytes no longer match the checksum recorded when it was registered."""
+
+
+class SetupError(KVOffloadError):
+    """The environment cannot run what was asked: a target that cannot be built, a release
+    environment that fails to import or lacks what it needs."""

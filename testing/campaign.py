@@ -4,23 +4,31 @@ as a pytest regression file)."""
 
 from __future__ import annotations
 
+import itertools
 import json
+import random
+import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from hypothesis import seed as hypothesis_seed
 from hypothesis import settings
+from hypothesis.database import ExampleDatabase
 from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import FAULTS
-from kvoffload.model.errors import ConfigError
+from kvoffload.model.errors import ConfigError, SetupError
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
 from kvoffload.testing.adapters import adapters, default_adapter
-from kvoffload.testing.stateful import Recorder, machine_for, reproducer, save_failure
+from kvoffload.testing.failure import Failure, load, save, validate
+from kvoffload.testing.lockstep import first_disagreement
+from kvoffload.testing.stateful import Recorder, machine_for
 
 # Targets of the mutation matrix under the ``ci`` profile.
 MAX_SHRUNK_STEPS = 8
@@ -35,6 +43,8 @@ class CampaignResult:
     first_failure: float | None
     recorder: Recorder
     failure: dict[str, Any] | None
+    seed: int | None = None  # the seed of the batch that failed, or of the first batch
+    saved: Path | None = None  # where the failure was saved
 
     @property
     def shrunk_steps(self) -> int | None:
@@ -54,18 +64,33 @@ def run_campaign(
     progress: bool = False,
     variant: str | None = None,
     loads: bool = True,
+    seed: int | None = None,
+    database: ExampleDatabase | None = None,
+    stop: Callable[[], bool] | None = None,
 ) -> CampaignResult:
     """Run the conformance machine on ``adapter`` until it fails, for ``profile``'s examples,
-    or (with ``seconds``) in batches until the time is spent. ``variant``: the model variant
-    to compare with (default: the adapter's); ``loads``: with the ``evict`` rule."""
+    or (with ``seconds``) in batches until the time is spent or ``stop()`` says so.
+    ``variant``: the model variant to compare with (default: the adapter's); ``loads``: with
+    the ``evict`` rule; ``database``: the example database of the batches (each replays what
+    it holds for this target first). A random profile runs batch ``k`` from seed ``seed + k``
+    (``seed`` drawn when not given), so that a run is repeated by giving its seed; a
+    derandomized profile (``ci``) needs none."""
     recorder = Recorder()
     machine = machine_for(adapter, recorder, variant, loads)
     start = time.perf_counter()
     failure: dict[str, Any] | None = None
     batch = (
-        settings(profile, max_examples=25, derandomize=False, database=None) if seconds else profile
+        settings(profile, max_examples=25, derandomize=False, database=database)
+        if seconds
+        else profile
     )
-    while True:
+    if seed is None and not batch.derandomize:
+        seed = random.getrandbits(32)
+    used = seed
+    for n in itertools.count():
+        if seed is not None:
+            used = seed + n
+            hypothesis_seed(used)(machine)
         try:
             run_state_machine_as_test(machine, settings=batch)
         except (AssertionError, Flaky):
@@ -86,10 +111,14 @@ def run_campaign(
             )
         if failure is not None or seconds is None or elapsed >= seconds:
             break
+        if stop is not None and stop():
+            break
     if progress:
         print(file=sys.stderr)
+    saved = None
     if failure is not None:
-        save_failure(failure)
+        failure["seed"] = used
+        saved = save(validate(failure))
     return CampaignResult(
         adapter,
         failure is None,
@@ -97,6 +126,8 @@ def run_campaign(
         recorder.first_failure,
         recorder,
         failure,
+        used,
+        saved,
     )
 
 
@@ -120,16 +151,20 @@ def matrix_profile(profile_name: str | None) -> tuple[str, settings]:
 
 
 def mutation_table(results: list[CampaignResult]) -> str:
+    """The matrix as a markdown table; a random profile's seeds in a last column."""
+    seeded = any(r.seed is not None for r in results)
     lines = [
-        "| fault | found | seconds to first failure | shrunk counterexample: rules (calls) |",
-        "|---|---|---|---|",
+        "| fault | found | seconds to first failure | shrunk counterexample: rules (calls) |"
+        + (" seed |" if seeded else ""),
+        "|---|---|---|---|" + ("---|" if seeded else ""),
     ]
     for r in results:
         found = not r.conforms
         first = f"{r.first_failure:.1f}" if r.first_failure is not None else "-"
         steps = f"{r.shrunk_steps} ({r.shrunk_calls})" if r.failure is not None else "-"
         name = r.adapter.removeprefix("fault:")
-        lines.append(f"| {name} | {'yes' if found else 'NO'} | {first} | {steps} |")
+        row = f"| {name} | {'yes' if found else 'NO'} | {first} | {steps} |"
+        lines.append(row + (f" {r.seed} |" if seeded else ""))
     return "\n".join(lines)
 
 
@@ -148,31 +183,96 @@ def run_verify(
     seconds: float | None,
     target: str | None,
     mutants: bool,
+    seed: int | None = None,
+    json_path: str | None = None,
 ) -> int:
+    """``kvoffload verify``: a campaign on ``target`` (default: the implementation), then the
+    mutation matrix. Exit status 0 when it conforms and every fault is found within the
+    targets, 1 otherwise; ``json_path`` receives the same as a report (:func:`report`)."""
     profile = profiles.load(profile_name)
     adapter = target or default_adapter()
     known = adapters()
     if adapter not in known:
         raise ConfigError(f"unknown target {adapter!r}; known here: {sorted(known)}")
-    result = run_campaign(adapter, profile, seconds=seconds, progress=True)
+    result = run_campaign(adapter, profile, seconds=seconds, progress=True, seed=seed)
     print_result(result, f"conformance of {adapter}: ")
     ok = result.conforms
+    matrix = None
     if mutants:
         name, matrix_settings = matrix_profile(profile_name)
         matrix = mutation_matrix(matrix_settings, progress=True)
         print(f"\nmutation matrix ({name} profile):\n" + mutation_table(matrix))
         print(matrix_verdict(matrix))
         ok = ok and matrix_meets_targets(matrix)
-    return 0 if ok else 1
+    status = 0 if ok else 1
+    if json_path:
+        document = report(result, profile_name or profiles.chosen(), matrix, status)
+        Path(json_path).write_text(json.dumps(document, indent=1) + "\n")
+    return status
+
+
+def report(
+    result: CampaignResult,
+    profile_name: str,
+    matrix: list[CampaignResult] | None,
+    status: int,
+) -> dict[str, Any]:
+    """A campaign as JSON (``kvoffload verify --json``): the verdict, the seed, what was
+    exercised, and a failure with its reproducer; the mutation matrix when it ran."""
+    rec = result.recorder
+    failure = None if result.failure is None else validate(result.failure)
+    return {
+        "target": result.adapter,
+        "profile": profile_name,
+        "verdict": "conforms" if result.conforms else "disagrees",
+        "exit_status": status,
+        "seconds": round(result.seconds, 3),
+        "seed": result.seed,
+        "programs": rec.programs,
+        "rule_steps": rec.rule_steps,
+        "driver_calls": rec.steps,
+        "rules": dict(sorted(rec.rules.items())),
+        "invariants": {name: rec.invariants.get(name, 0) for name in CHECKS},
+        "seconds_to_first_failure": result.first_failure,
+        "failure": None if failure is None else failure.to_dict(),
+        "reproducer": None if failure is None else failure.reproducer(),
+        "saved": None if result.saved is None else str(result.saved),
+        "mutation_matrix": None
+        if matrix is None
+        else [
+            {
+                "fault": r.adapter.removeprefix("fault:"),
+                "found": not r.conforms,
+                "seconds_to_first_failure": r.first_failure,
+                "shrunk_rules": r.shrunk_steps,
+                "shrunk_calls": r.shrunk_calls,
+            }
+            for r in matrix
+        ],
+    }
 
 
 def print_result(result: CampaignResult, label: str = "", where: str = "") -> None:
-    """The verdict, the coverage, and a failure with its reproducer (to run ``where``)."""
+    """The verdict, the coverage, the seed, and a failure with its reproducer (to run
+    ``where``) and the file it was saved to."""
     print(label + ("conforms" if result.conforms else "DISAGREES"))
     print(coverage(result.recorder))
+    print(seed_line(result))
     if result.failure is not None:
-        print("\n" + result.failure["disagreement"])
-        print(f"\nreproduce{where} with:\n" + reproducer(result.failure))
+        failure = validate(result.failure)
+        print("\n" + failure.disagreement)
+        print(f"\nreproduce{where} with:\n" + failure.reproducer())
+        if result.saved is not None:
+            print(
+                f"saved to {result.saved}: `kvoffload replay --run {result.saved}` runs it "
+                f"again, `kvoffload replay {result.saved} --output FILE` writes a pytest file"
+            )
+
+
+def seed_line(result: CampaignResult) -> str:
+    if result.seed is None:
+        return "seed: none (a derandomized profile: the same programs on every run)"
+    return f"seed: {result.seed} (`--seed {result.seed}` runs these programs again)"
 
 
 def matrix_meets_targets(matrix: list[CampaignResult]) -> bool:
@@ -254,22 +354,52 @@ def describe(call: list[Any]) -> str:
     return f"{name}({', '.join(map(repr, args))})"
 
 
-def run_replay(path: str, output: str | None) -> int:
-    failure = json.loads(Path(path).read_text())
-    name = failure["adapter"].replace(":", "_").replace("-", "_")
-    body = reproducer(failure).replace("print(first_disagreement(", "found = first_disagreement(")
-    body = body.rstrip().removesuffix(")")
-    lines = ["    " + line if line else "" for line in body.splitlines()]
-    imports = [line.strip() for line in lines[:2]]
-    text = (
-        f'"""Regression from a saved conformance failure of {failure["adapter"]}:\n'
-        f'{failure["disagreement"]}"""\n\n'
-        + "\n".join(imports)
-        + f"\n\n\ndef test_regression_{name}() -> None:\n"
-        + "\n".join(lines[3:])
-        + "\n    assert found is None, found\n"
-    )
+def run_replay(path: str, output: str | None = None, run: bool = False) -> int:
+    """``kvoffload replay``: the saved failure at ``path`` as a pytest file (printed, and
+    written to ``output``), or with ``run`` the failure's program driven again (0 when it
+    conforms now, 1 while it disagrees). The file is validated before anything is written
+    or run (:mod:`kvoffload.testing.failure`)."""
+    failure = load(path)
+    if run:
+        return replay_program(failure, path)
+    text = failure.regression_test()
     if output:
         Path(output).write_text(text)
     print(text)
     return 0
+
+
+def replay_program(failure: Failure, path: str) -> int:
+    """Drive the failure's program again, here, or for vLLM in its release's environment."""
+    if failure.adapter == "vllm" and "vllm" not in adapters():
+        return _replay_in_release(failure, path)
+    if failure.adapter not in adapters():
+        raise SetupError(f"the target {failure.adapter} is not available here")
+    found = first_disagreement(
+        failure.config,
+        failure.program,
+        failure.faults,
+        "cuda" if failure.adapter == "impl-cuda" else "cpu",
+        adapter="vllm" if failure.adapter == "vllm" else None,
+        variant=failure.variant,
+    )
+    print(found or f"conforms: the program of {path} no longer disagrees")
+    return 0 if found is None else 1
+
+
+def _replay_in_release(failure: Failure, path: str) -> int:
+    from kvoffload.upstream.install import Cache, default_cache
+
+    if not failure.release:
+        raise SetupError(
+            f"{path} holds a vLLM failure without its release: run `kvoffload replay --run` "
+            "in the environment of the release it came from"
+        )
+    cache = Cache(default_cache())
+    if not cache.installed(failure.release):
+        raise ConfigError(
+            f"{path} came from vllm=={failure.release}, which is not installed; run "
+            f"`kvoffload install vllm=={failure.release}` first"
+        )
+    command = [str(cache.python), "-m", "kvoffload", "replay", "--run", str(Path(path).absolute())]
+    return subprocess.run(command, env=cache.environment(failure.release), check=False).returncode

@@ -43,23 +43,44 @@ def apply(target: OffloadModel | Target, call: Call) -> object:
     raise ValueError(f"unknown call {name!r}")
 
 
+def as_outcome(error: BaseException) -> str:
+    """An error as a call's outcome: ``"Type: message"``."""
+    return f"{type(error).__name__}: {error}"
+
+
 def outcome(target: OffloadModel | Target, call: Call) -> object:
-    """The call's result, or its error as ``"Type: message"``. A violated invariant of the
-    model is not an outcome: it propagates, since the specification itself is then wrong."""
+    """The model's result of the call, or its error as ``"Type: message"``. A violated
+    invariant of the model is not an outcome: it propagates, since the specification itself
+    is then wrong; so does any error the model does not raise on purpose."""
     try:
         return apply(target, call)
     except InvariantViolation:
         raise
     except (KVOffloadError, ValueError, AssertionError) as error:
-        return f"{type(error).__name__}: {error}"
+        return as_outcome(error)
+
+
+def target_outcome(target: Target, call: Call) -> object:
+    """The target's result of the call, or its error as ``"Type: message"``, whatever the
+    error: an exception raised inside the target under test (an ``IndexError`` in vLLM, a
+    ``KeyError`` of the implementation) is its answer to the call, compared with the model's
+    like any other, so that a crash is a disagreement with a shrunk reproducer (issue 16)."""
+    try:
+        return apply(target, call)
+    except Exception as error:
+        return as_outcome(error)
 
 
 def compare(model: OffloadModel, impl: Target, call: Call, n: int) -> str | None:
     """Apply ``call`` to both; describe the first difference, or None."""
-    expected, actual = outcome(model, call), outcome(impl, call)
+    expected, actual = outcome(model, call), target_outcome(impl, call)
     if expected != actual:
         return f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
-    mine, theirs = model.snapshot(), impl.snapshot()
+    mine = model.snapshot()
+    try:
+        theirs = impl.snapshot()
+    except Exception as error:
+        return f"call {n} {call}: the implementation's snapshot raised {as_outcome(error)}"
     if mine != theirs:
         fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
         details = "; ".join(
@@ -67,7 +88,10 @@ def compare(model: OffloadModel, impl: Target, call: Call, n: int) -> str | None
         )
         return f"call {n} {call}: snapshots differ in {fields}: {details}"
     # A target without KV bytes (vLLM's scheduler side) is compared on the above alone.
-    wrong = impl.data_mismatches() if isinstance(impl, HoldsBytes) else []
+    try:
+        wrong = impl.data_mismatches() if isinstance(impl, HoldsBytes) else []
+    except Exception as error:
+        return f"call {n} {call}: the implementation's data check raised {as_outcome(error)}"
     if wrong:
         return f"call {n} {call}: {wrong[0]}"
     return None

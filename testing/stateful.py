@@ -12,17 +12,16 @@ explains each rule.
 
 from __future__ import annotations
 
-import json
+import os
 import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from kvoffload.model import OffloadConfig, OffloadModel
+from kvoffload.model import OffloadConfig, OffloadModel, SetupError
 from kvoffload.model.invariants import exercised
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import (
@@ -32,10 +31,10 @@ from kvoffload.testing.adapters import (
     expected_variant,
     unsupported,
 )
-from kvoffload.testing.lockstep import Call, compare
+from kvoffload.testing.failure import Failure, validate
+from kvoffload.testing.lockstep import Call, as_outcome, compare
 
 LAYOUTS = [((4,), 4), ((4,), 2), ((8,), 4), ((4, 8), 4)]
-FAILURES = Path(".hypothesis/kvoffload-failures")
 
 
 # Prompts from three stems, so that prefixes are shared, with up to two tokens after the
@@ -78,6 +77,7 @@ class Recorder:
     invariants: dict[str, int] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
     first_failure: float | None = None
+    first_failing_program: int | None = None  # 1 when the very first program failed
     failure: dict[str, Any] | None = None
 
     def count(self, table: dict[str, int], key: str) -> None:
@@ -112,7 +112,15 @@ class ConformanceMachine(RuleBasedStateMachine):
         # A variant with a bug breaks invariants by design: it is compared, not checked.
         variant = type(self).variant
         self.model = OffloadModel(self.config, variant=variant, check=keeps_invariants(variant))
-        self.target = type(self).adapter(self.config)
+        try:
+            self.target = type(self).adapter(self.config)
+        except Exception as error:
+            # Not a verdict on the target: the environment cannot build it (vLLM missing a
+            # variable or a module, a device that is not there).
+            raise SetupError(
+                f"the target {type(self).adapter_name} cannot be built for {self.config}: "
+                f"{as_outcome(error)}"
+            ) from error
         self.program: list[Call] = []
         self.next_id = 0
         self.prompts: list[list[int]] = []
@@ -137,16 +145,24 @@ class ConformanceMachine(RuleBasedStateMachine):
         if found:
             if rec.first_failure is None:
                 rec.first_failure = time.perf_counter() - rec.started
-            rec.failure = {
-                "adapter": type(self).adapter_name,
-                "variant": type(self).variant,
-                "config": asdict(self.config)
-                | {"group_block_sizes": list(self.config.group_block_sizes)},
-                "program": [list(c) for c in self.program],
-                "rule_steps": self.rule_steps,
-                "disagreement": found,
-            }
-            raise AssertionError(f"{found}\n\nreproduce with:\n{reproducer(rec.failure)}")
+                rec.first_failing_program = rec.programs
+            failure = Failure(
+                type(self).adapter_name,
+                type(self).variant,
+                self.config,
+                tuple(self.program),
+                self.rule_steps,
+                found,
+                release=target_release(type(self).adapter_name),
+            )
+            rec.failure = failure.to_dict()
+            raise AssertionError(f"{found}\n\nreproduce with:\n{failure.reproducer()}")
+
+    def teardown(self) -> None:
+        # A target that holds threads or devices lets them go with its program.
+        close = getattr(getattr(self, "target", None), "close", None)
+        if close is not None:
+            close()
 
     def fits(self, tokens: list[int], max_tokens: int) -> bool:
         need = sum(-(-(len(tokens) + max_tokens - 1) // s) for s in self.config.group_block_sizes)
@@ -286,45 +302,30 @@ def machine_for(
     with ``variant`` of the model (default: the one the adapter is expected to match);
     with ``loads``, the machine with the ``evict`` rule."""
     factory = adapters()[adapter_name]
+    compared_with = variant or expected_variant(adapter_name)
+    # The class name keys Hypothesis's example database: one entry per target, release and
+    # model variant, so that each check replays its own earlier failures first.
+    release = target_release(adapter_name)
+    target = f"{adapter_name}=={release}" if release else adapter_name
     return type(
-        f"Conformance[{adapter_name}]",
+        f"Conformance[{target} vs {compared_with}]",
         (LoadingConformanceMachine if loads else ConformanceMachine,),
         {
             "adapter_name": adapter_name,
             "adapter": staticmethod(factory),
             "recorder": recorder or Recorder(),
-            "variant": variant or expected_variant(adapter_name),
+            "variant": compared_with,
         },
     )
 
 
+def target_release(adapter_name: str) -> str | None:
+    """The vLLM release a ``vllm`` target runs (set by its release environment), else None."""
+    if adapter_name != "vllm":
+        return None
+    return os.environ.get("KVOFFLOAD_VLLM_VERSION") or None
+
+
 def reproducer(failure: dict[str, Any]) -> str:
     """A standalone program that reproduces a recorded failure."""
-    config = failure["config"]
-    fields = ", ".join(
-        f"{k}={tuple(v) if isinstance(v, list) else v!r}"
-        for k, v in config.items()
-        if k != "scheduler_block_size"
-    )
-    faults = []
-    if failure["adapter"].startswith("fault:"):
-        faults = [failure["adapter"].split(":", 1)[1]]
-    device = "cuda" if failure["adapter"] == "impl-cuda" else "cpu"
-    calls = ",\n".join(f"    {tuple(c)!r}" for c in failure["program"])
-    target = f"faults={faults!r}, device={device!r}"
-    if failure["adapter"] == "vllm":
-        target = f"adapter='vllm', variant={failure.get('variant', 'fixed')!r}"
-    return (
-        "from kvoffload.model import OffloadConfig\n"
-        "from kvoffload.testing.lockstep import first_disagreement\n\n"
-        f"config = OffloadConfig({fields})\n"
-        f"program = [\n{calls},\n]\n"
-        f"print(first_disagreement(config, program, {target}))\n"
-    )
-
-
-def save_failure(failure: dict[str, Any], folder: Path = FAILURES) -> Path:
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{failure['adapter'].replace(':', '-')}.json"
-    path.write_text(json.dumps(failure, indent=1))
-    return path
+    return validate(failure).reproducer()

@@ -31,7 +31,8 @@ def test_a_fault_is_found_and_shrunk(
     assert not result.conforms
     assert result.failure is not None and result.shrunk_steps is not None
     assert result.shrunk_steps <= 12
-    saved = tmp_path / ".hypothesis" / "kvoffload-failures" / f"fault-{fault}.json"
+    saved = tmp_path / ".hypothesis" / "kvoffload-failures" / f"fault-{fault}-fixed.json"
+    assert result.saved is not None and result.saved.absolute() == saved
     assert json.loads(saved.read_text())["adapter"] == f"fault:{fault}"
     out = tmp_path / "test_regression.py"
     assert run_replay(str(saved), str(out)) == 0

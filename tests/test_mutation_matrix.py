@@ -26,7 +26,8 @@ def test_the_machine_finds_the_fault(
     assert not result.conforms, f"the conformance machine did not find {fault}"
     assert result.failure is not None and result.shrunk_steps is not None
     assert result.shrunk_steps <= MAX_SHRUNK_STEPS, result.failure["program"]
-    assert (tmp_path / ".hypothesis" / "kvoffload-failures" / f"fault-{fault}.json").exists()
+    saved = tmp_path / ".hypothesis" / "kvoffload-failures" / f"fault-{fault}-fixed.json"
+    assert saved.exists()
 
 
 def test_each_fault_names_what_it_breaks() -> None:

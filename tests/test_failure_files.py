@@ -1,0 +1,198 @@
+"""Failure files come from outside: ``kvoffload replay`` validates them before it writes or
+runs anything, and what it generates holds their values as literals only, so that no field
+of a failure file runs code (issue 16)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.main import main
+from kvoffload.testing.failure import FailureFileError, load, validate
+
+PROGRAM = [["add", "r0", [0, 1, 2, 3, 4], 2], ["step", 8], ["step", 8], ["drain"]]
+
+
+def _failure(**changes: Any) -> dict[str, Any]:
+    base: dict[str, Any] = {
+        "format": 1,
+        "adapter": "impl",
+        "variant": "fixed",
+        "release": None,
+        "seed": 7,
+        "config": {
+            "gpu_blocks": 8,
+            "cpu_blocks": 4,
+            "group_block_sizes": [4],
+            "hash_block_size": 4,
+            "world_size": 1,
+        },
+        "program": PROGRAM,
+        "rule_steps": 3,
+        "disagreement": "call 1 ('step', 8): something differed",
+    }
+    return base | changes
+
+
+def _payload(mark: Path) -> str:
+    """Source that leaves ``mark`` behind if it ever runs."""
+    return f"__import__('pathlib').Path({str(mark)!r}).write_text('ran')"
+
+
+def _hostile(mark: Path) -> dict[str, dict[str, Any]]:
+    code = _payload(mark)
+    config = _failure()["config"]
+    return {
+        "docstring": _failure(disagreement=f'"""\n{code}\n"""'),
+        "quotes": _failure(disagreement=f"'''\"\"\"\\\n{code} #"),
+        "call argument": _failure(program=[["finish", f"x'); {code}; ('"], *PROGRAM]),
+        "request id": _failure(program=[["add", f'r0"); {code}; ("', [1, 2], 1]]),
+        "config key": _failure(config=config | {f"x=1, y={code}": 1}),
+        "config value": _failure(config=config | {"gpu_blocks": code}),
+        "adapter": _failure(adapter=f"impl', device={code}, x='"),
+        "variant": _failure(variant=f"fixed'); {code}; ('"),
+        "release": _failure(adapter="vllm", release=f"0.34.0\n{code}\n#"),
+        "call name": _failure(program=[[f"step'); {code}; ('", 8]]),
+    }
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        "docstring",
+        "quotes",
+        "call argument",
+        "request id",
+        "config key",
+        "config value",
+        "adapter",
+        "variant",
+        "release",
+        "call name",
+    ],
+)
+def test_a_hostile_failure_file_never_runs_code(
+    case: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    mark = tmp_path / "ran"
+    source = tmp_path / "failure.json"
+    source.write_text(json.dumps(_hostile(mark)[case]))
+    out = tmp_path / "test_regression.py"
+    status = main(["replay", str(source), "--output", str(out)])
+    if status == 2:
+        # refused: one line naming the file, nothing written
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"kvoffload replay: {source}: ") and "\n" not in err
+        assert not out.exists()
+    else:
+        assert status == 0
+        text = out.read_text()
+        namespace: dict[str, Any] = {}
+        exec(compile(text, str(out), "exec"), namespace)  # what pytest does when collecting
+        test = next(v for k, v in namespace.items() if k.startswith("test_regression"))
+        test()  # the program conforms: the implementation is the real one
+        exec(compile(load(source).reproducer(), "reproducer", "exec"), {})
+        assert namespace["__doc__"].endswith(_hostile(mark)[case]["disagreement"])
+    assert not mark.exists()
+
+
+BAD_FILES: list[tuple[str, bytes, str]] = [
+    ("empty", b"", "the file is empty"),
+    ("blank", b"  \n", "the file is empty"),
+    ("truncated", b'{"adapter": "impl", "config": {', "not JSON (Expecting"),
+    ("not UTF-8", b'{"adapter": "\xff\xfe"}', "not UTF-8 text"),
+    ("a list", b"[1, 2]", "a failure must be a JSON object, got list"),
+    ("huge integer", b'{"seed": ' + b"9" * 5000 + b"}", "not JSON a failure can hold"),
+    ("deep", b"[" * 100000 + b"]" * 100000, "not JSON a failure can hold"),
+]
+
+
+def _bad_shapes() -> list[tuple[str, dict[str, Any], str]]:
+    config = _failure()["config"]
+    return [
+        ("unknown adapter", _failure(adapter="nope"), "unknown adapter 'nope'"),
+        ("unknown fault", _failure(adapter="fault:nope"), "unknown adapter 'fault:nope'"),
+        ("unknown variant", _failure(variant="nope"), "unknown variant 'nope'"),
+        ("bad config", _failure(config=config | {"gpu_blocks": 0}), "gpu_blocks must be > 0"),
+        (
+            "config that does not divide",
+            _failure(config=config | {"group_block_sizes": [6]}),
+            "does not divide",
+        ),
+        ("config lacking a field", _failure(config={"gpu_blocks": 4}), "config lacks"),
+        ("bool as int", _failure(config=config | {"world_size": True}), "must be an int"),
+        ("empty program", _failure(program=[]), "program is empty"),
+        ("unknown call", _failure(program=[["explode"]]), "unknown call 'explode'"),
+        ("wrong arity", _failure(program=[["step"]]), "'step' takes 1 arguments, got 0"),
+        ("wrong type", _failure(program=[["step", "8"]]), "argument 1 must be an int"),
+        ("tokens not ints", _failure(program=[["lookup", [1, "2"]]]), "must be a list of ints"),
+        ("call not a list", _failure(program=["step"]), "must be a list starting with"),
+        ("unknown field", _failure(extra=1), "unknown fields ['extra']"),
+        ("missing field", {"adapter": "impl"}, "missing fields"),
+        ("negative rule steps", _failure(rule_steps=-1), "rule_steps must be an int >= 0"),
+        ("bad seed", _failure(seed="7"), "seed must be an int or null"),
+        ("other format", _failure(format=2), "format 2 is not 1"),
+    ]
+
+
+@pytest.mark.parametrize(("case", "content", "problem"), BAD_FILES)
+def test_an_unreadable_failure_file_is_refused_in_one_line(
+    case: str, content: bytes, problem: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "failure.json"
+    source.write_bytes(content)
+    out = tmp_path / "test_regression.py"
+    assert main(["replay", str(source), "--output", str(out)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert problem in err and "\n" not in err and "Traceback" not in err
+    assert not out.exists()
+
+
+@pytest.mark.parametrize(("case", "data", "problem"), _bad_shapes())
+def test_a_failure_of_the_wrong_shape_is_refused(
+    case: str,
+    data: dict[str, Any],
+    problem: str,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    source = tmp_path / "failure.json"
+    source.write_text(json.dumps(data))
+    out = tmp_path / "test_regression.py"
+    for command in (
+        ["replay", str(source), "--output", str(out)],
+        ["replay", "--run", str(source)],
+    ):
+        assert main(command) == 2
+        err = capsys.readouterr().err.strip()
+        assert problem in err and "\n" not in err
+    assert not out.exists()
+    with pytest.raises(FailureFileError, match=problem.replace("(", r"\(").replace("[", r"\[")):
+        validate(data)
+
+
+def test_a_failure_survives_its_round_trip() -> None:
+    failure = validate(_failure())
+    assert validate(failure.to_dict()) == failure
+    assert failure.file_name == "impl-fixed.json"
+    vllm = validate(_failure(adapter="vllm", release="0.29.0", variant="vllm-0.29"))
+    assert vllm.file_name == "vllm-0.29.0-vllm-0.29.json"
+    assert "kvoffload replay --run" in vllm.reproducer()
+
+
+def test_replay_run_says_whether_the_program_still_disagrees(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    conforming = tmp_path / "impl.json"
+    conforming.write_text(json.dumps(_failure()))
+    assert main(["replay", "--run", str(conforming)]) == 0
+    assert "no longer disagrees" in capsys.readouterr().out
+    # the missing final flush of vLLM #53498: a one-block prompt finished by its first output
+    program = [["add", "r0", [0, 1, 2, 3], 1], ["step", 8], ["step", 8]]
+    faulty = tmp_path / "fault.json"
+    faulty.write_text(json.dumps(_failure(adapter="fault:no-final-flush", program=program)))
+    assert main(["replay", "--run", str(faulty)]) == 1
+    assert "call 1 ('step', 8)" in capsys.readouterr().out
