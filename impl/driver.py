@@ -19,9 +19,7 @@ from kvoffload.impl.faults import FAULTS
 from kvoffload.impl.snapshot import take_snapshot
 from kvoffload.impl.worker import KVLayout, Worker
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.errors import (
-    ConfigError,
-)
+from kvoffload.model.errors import ConfigError, InvalidArgumentError
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import Snapshot
 from kvoffload.model.types import NO_EVENT, FinishResult, StepResult
@@ -80,6 +78,18 @@ class OffloadImpl:
     @property
     def connector(self) -> Connector:
         return self.engine.connector
+
+    def close(self) -> None:
+        """Stop every copy thread the workers started (idempotent). Dropping the
+        implementation does it too, when it is collected."""
+        for w in self.workers:
+            w.close()
+
+    def __enter__(self) -> OffloadImpl:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     # -- the driver API -------------------------------------------------------------------
 
@@ -180,11 +190,12 @@ class OffloadImpl:
         return [r for r, q in self.engine.requests.items() if q.status is not Status.FINISHED]
 
     def outstanding(self, kind: str) -> list[tuple[int, int]]:
-        counter, table = (
-            (self.connector.next_store_event, self._store_reports)
-            if kind == "store"
-            else (self.connector.next_load_event, self._load_reports)
-        )
+        if kind == "store":
+            counter, table = self.connector.next_store_event, self._store_reports
+        elif kind == "load":
+            counter, table = self.connector.next_load_event, self._load_reports
+        else:
+            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
         return owed_completions(self.config, counter, table)
 
     def snapshot(self) -> Snapshot:

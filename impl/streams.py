@@ -81,7 +81,8 @@ class CopyJob:
 
 
 class CopyThread:
-    """One background thread running copy jobs, loads before stores."""
+    """One background thread running copy jobs, loads before stores. :meth:`stop` ends the
+    thread once the jobs submitted so far have run; a stopped copy engine takes no more."""
 
     LOAD, STORE = 0, 1
 
@@ -90,16 +91,27 @@ class CopyThread:
         self._order = itertools.count()
         self._cv = threading.Condition()
         self._unfinished = 0
+        self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="kvoffload-copy", daemon=True)
         self._thread.start()
 
     def submit(self, priority: int, run: Callable[[], None]) -> CopyJob:
         job = CopyJob(run)
         with self._cv:
+            if self._stopping:
+                raise RuntimeError("the copy engine is stopped")
             heapq.heappush(self._heap, (priority, next(self._order), job))
             self._unfinished += 1
             self._cv.notify_all()
         return job
+
+    def stop(self) -> None:
+        """Run what was submitted, then end the thread (idempotent)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
     def drain(self) -> None:
         """Wait until every submitted job has run."""
@@ -110,14 +122,18 @@ class CopyThread:
     def _loop(self) -> None:
         while True:
             with self._cv:
-                while not self._heap:
+                while not self._heap and not self._stopping:
                     self._cv.wait()
+                if not self._heap:
+                    return  # stopping, and every job has run
                 _, _, job = heapq.heappop(self._heap)
             try:
                 job.run()
             except BaseException as error:  # reported to whoever waits for the job
                 job.error = error
             job.done.set()
+            # The job's closure holds the worker: the idle thread must not keep it alive.
+            del job
             with self._cv:
                 self._unfinished -= 1
                 self._cv.notify_all()

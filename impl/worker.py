@@ -18,6 +18,7 @@ reads it: a corrupted host block raises :class:`DataIntegrityError` and is never
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -99,6 +100,15 @@ class Worker:
         else:
             self.compute = ComputeStream(layout.compute_lag)
             self.copier = CopyThread()
+            # The thread holds no reference to the worker: a worker dropped without close()
+            # still stops its thread when it is collected (issue 16: threads leaked, ~276
+            # per 100 programs, and slowed every later example).
+            self._stop_copier = weakref.finalize(self, self.copier.stop)
+
+    def close(self) -> None:
+        """Stop the copy thread (idempotent); the worker takes no more transfers."""
+        if not self.cuda:
+            self._stop_copier()
 
     def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         return [

@@ -8,7 +8,7 @@ completion, loads first)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvoffload.impl import OffloadImpl
@@ -133,15 +133,31 @@ def first_disagreement(
     """None when the implementation conforms on ``program``; else what differed first.
     ``adapter`` names another target (``kvoffload.testing.adapters``), compared with
     ``variant`` of the model (default: the variant it is expected to match)."""
-    chosen = variant or expected_variant(adapter or "impl")
-    model = OffloadModel(config, variant=chosen, check=keeps_invariants(chosen))
-    impl: Target = (
-        adapters()[adapter](config)
+    factory: Callable[[OffloadConfig], Target] = (
+        adapters()[adapter]
         if adapter is not None
-        else OffloadImpl(config, faults=faults, device=device)
+        else lambda c: OffloadImpl(c, faults=faults, device=device)
     )
-    for n, call in enumerate(program):
-        found = compare(model, impl, call, n)
-        if found:
-            return found
-    return None
+    return disagreement(factory, variant or expected_variant(adapter or "impl"), config, program)
+
+
+def disagreement(
+    factory: Callable[[OffloadConfig], Target],
+    variant: str,
+    config: OffloadConfig,
+    program: Sequence[Call],
+) -> str | None:
+    """Drive ``program`` on a target built by ``factory`` and on ``variant`` of the model;
+    the first difference, or None. The target is closed afterwards."""
+    model = OffloadModel(config, variant=variant, check=keeps_invariants(variant))
+    impl = factory(config)
+    try:
+        for n, call in enumerate(program):
+            found = compare(model, impl, call, n)
+            if found:
+                return found
+        return None
+    finally:
+        close = getattr(impl, "close", None)
+        if close is not None:
+            close()

@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 
 import pytest
 import torch
+from hypothesis import settings
+from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import KVLayout, OffloadImpl
 from kvoffload.impl.content import checksum, token_bytes, token_seeds
 from kvoffload.impl.copy import copy_blocks, host_runs
 from kvoffload.impl.streams import ComputeStream, CopyThread
-from kvoffload.model import DataIntegrityError, OffloadConfig
+from kvoffload.model import DataIntegrityError, InvalidArgumentError, OffloadConfig
 from kvoffload.testing.lockstep import apply
+from kvoffload.testing.stateful import machine_for
 
 from helpers import config as cfg
 from scenarios import STORE_THEN_EVICT
@@ -163,3 +167,60 @@ def test_on_cuda_host_blocks_are_pinned_and_device_blocks_on_the_gpu() -> None:
     worker = impl.workers[0]
     assert worker.gpu_kv[0][0].is_cuda
     assert worker.cpu_kv[0][0].is_pinned()
+
+
+def _copy_threads() -> int:
+    """Copy threads alive once every implementation dropped so far has been collected (its
+    finalizer stops its threads as it is collected). A worker whose finalizer runs in one
+    collection can keep a sibling in the same cycle to the next, hence two."""
+    gc.collect()
+    gc.collect()
+    return sum(1 for t in threading.enumerate() if t.name == "kvoffload-copy")
+
+
+def test_close_stops_every_copy_thread_and_is_idempotent() -> None:
+    before = _copy_threads()
+    impl = OffloadImpl(cfg(gpu_blocks=8, cpu_blocks=4, world_size=3))
+    assert _copy_threads() == before + 3
+    for call in STORE_THEN_EVICT:
+        apply(impl, call)
+    impl.close()
+    impl.close()
+    assert _copy_threads() == before
+    with OffloadImpl(cfg(gpu_blocks=8, cpu_blocks=4)) as other:
+        assert _copy_threads() == before + 1
+        other.add_request("r", [1, 2, 3], 1)
+    assert _copy_threads() == before
+
+
+def test_an_implementation_dropped_without_close_stops_its_threads() -> None:
+    before = _copy_threads()
+    impl = OffloadImpl(cfg(gpu_blocks=8, cpu_blocks=4, world_size=2))
+    for call in STORE_THEN_EVICT:
+        apply(impl, call)
+    del impl
+    assert _copy_threads() == before
+
+
+def test_programs_of_the_machine_leave_no_copy_thread_behind() -> None:
+    before = _copy_threads()
+    machine = machine_for("impl", loads=False)
+    run_state_machine_as_test(machine, settings=settings(max_examples=100, database=None))
+    assert _copy_threads() == before
+
+
+def test_a_stopped_copy_engine_takes_no_more_jobs() -> None:
+    thread = CopyThread()
+    ran: list[int] = []
+    thread.submit(CopyThread.STORE, lambda: ran.append(1))
+    thread.stop()
+    assert ran == [1]  # what was submitted ran before the thread ended
+    with pytest.raises(RuntimeError, match="stopped"):
+        thread.submit(CopyThread.STORE, lambda: ran.append(2))
+
+
+def test_outstanding_names_a_bad_kind() -> None:
+    impl = OffloadImpl(cfg(gpu_blocks=8, cpu_blocks=4))
+    with pytest.raises(InvalidArgumentError, match="kind must be 'store' or 'load', got 'foo'"):
+        impl.outstanding("foo")
+    impl.close()
