@@ -23,6 +23,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvoffload.model import OffloadConfig, OffloadModel, SetupError
 from kvoffload.model.invariants import exercised
+from kvoffload.model.validate import MAX_TOKEN_ID
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import (
     Adapter,
@@ -255,6 +256,49 @@ class ConformanceMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         self.run(("reset",), "reset")
+
+    # Bad input between good calls (issue 14): every driver must reject it with the model's
+    # error and change nothing, so that a weakened validation is a disagreement, found and
+    # shrunk like any other (a duplicate worker report counted twice, a request half added).
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        before = self.model.snapshot()
+        self.run(data.draw(st.sampled_from(self.bad_calls())), "misuse")
+        assert self.model.snapshot() == before, "the model changed on bad input"
+
+    def bad_calls(self) -> list[Call]:
+        """Calls every driver must reject, given the program so far."""
+        fresh, live = f"r{self.next_id}", self.model.live_requests()
+        finished = [r for r in (f"r{n}" for n in range(self.next_id)) if r not in live]
+        too_long = [0] * self.config.gpu_blocks * max(self.config.group_block_sizes)
+        connector = self.model.engine.connector
+        counters = {"store": connector.store_event_counter, "load": connector.load_event_counter}
+        calls: list[Call] = [
+            ("add", "", [0], 1),
+            ("add", fresh, [], 1),
+            ("add", fresh, [0, -1], 1),
+            ("add", fresh, [0, MAX_TOKEN_ID + 1], 1),
+            ("add", fresh, [0], 0),
+            ("add", fresh, too_long, 1),
+            ("step", -1),
+            ("finish", fresh),
+            ("lookup", []),
+            ("lookup", [-1]),
+            ("store", -1, 0),
+            ("store", 0, self.config.world_size),
+        ]
+        calls += [("add", r, [0], 1) for r in live + finished]
+        calls += [("finish", r) for r in finished]
+        for kind, counter in counters.items():
+            calls.append((kind, counter, 0))  # never issued
+            owed = set(self.model.outstanding(kind))
+            calls += [
+                (kind, event, worker)  # reported already
+                for event in range(counter)
+                for worker in range(self.config.world_size)
+                if (event, worker) not in owed
+            ]
+        return calls
 
 
 class LoadingConformanceMachine(ConformanceMachine):

@@ -91,6 +91,11 @@ class TrivialMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.count()
 
+    @rule(data=st.data())
+    def misuse(self, data: st.DataObject) -> None:
+        data.draw(st.sampled_from(self.prompts))
+        self.count()
+
 
 @dataclass
 class Throughput:
