@@ -11,7 +11,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +27,9 @@ from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
 from kvoffload.testing.adapters import adapters, default_adapter
 from kvoffload.testing.failure import Failure, load, save, validate
-from kvoffload.testing.lockstep import first_disagreement
-from kvoffload.testing.stateful import Recorder, machine_for
+from kvoffload.testing.lockstep import disagreement, first_disagreement
+from kvoffload.testing.reduce import reduce_program
+from kvoffload.testing.stateful import ConformanceMachine, Recorder, machine_for
 
 # Targets of the mutation matrix under the ``ci`` profile.
 MAX_SHRUNK_STEPS = 8
@@ -117,8 +118,9 @@ def run_campaign(
         print(file=sys.stderr)
     saved = None
     if failure is not None:
-        failure["seed"] = used
-        saved = save(validate(failure))
+        record = reduced(machine, validate(failure | {"seed": used}))
+        failure = record.to_dict()
+        saved = save(record)
     return CampaignResult(
         adapter,
         failure is None,
@@ -128,6 +130,24 @@ def run_campaign(
         failure,
         used,
         saved,
+    )
+
+
+def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
+    """``failure`` after the call-level pass (:mod:`kvoffload.testing.reduce`), replayed on
+    the machine's own target and model variant; as it was if it does not replay (a flaky
+    failure is reported as Hypothesis found it)."""
+    program, found = reduce_program(
+        failure.program,
+        lambda calls: disagreement(machine.adapter, machine.variant, failure.config, calls),
+    )
+    if found is None:
+        return failure
+    return replace(
+        failure,
+        program=tuple(program),
+        disagreement=found,
+        rule_steps=min(failure.rule_steps, len(program)),
     )
 
 

@@ -1,0 +1,70 @@
+"""The call-level reduction after Hypothesis's shrinker: 1-minimal, a subsequence, and the
+same kind of difference."""
+
+from __future__ import annotations
+
+from kvoffload.model import OffloadConfig
+from kvoffload.testing.lockstep import Call, first_disagreement
+from kvoffload.testing.reduce import kind, reduce_program
+
+
+def test_it_keeps_exactly_the_calls_the_difference_needs() -> None:
+    program: list[Call] = [("reset",)] * 5 + [("step", 1)] + [("reset",)] * 4 + [("step", 2)]
+
+    def disagrees(calls: list[Call]) -> str | None:
+        wanted = [c for c in calls if c[0] == "step"]
+        return (
+            "call 1 ('step', 2): model returned 1, implementation 2" if len(wanted) == 2 else None
+        )
+
+    reduced, found = reduce_program(program, disagrees)
+    assert reduced == [("step", 1), ("step", 2)]
+    assert found is not None and found.startswith("call 1")
+
+
+def test_a_program_that_conforms_is_returned_as_it_is() -> None:
+    program: list[Call] = [("reset",), ("drain",)]
+    assert reduce_program(program, lambda calls: None) == (program, None)
+
+
+def test_a_reduction_never_trades_the_difference_for_another() -> None:
+    program: list[Call] = [("add", "a", [1], 1), ("step", 4), ("finish", "a")]
+
+    def disagrees(calls: list[Call]) -> str | None:
+        if calls == program:
+            return "call 2 ('finish', 'a'): snapshots differ in ['cpu']: ..."
+        return "call 0 ('step', 4): model returned 1, implementation 2"
+
+    assert reduce_program(program, disagrees)[0] == program
+
+
+def test_kind_ignores_numbers_and_blocks() -> None:
+    a = "call 3 ('step', 8): snapshots differ in ['gpu', 'cpu']: gpu: block 1 is ..."
+    b = "call 9 ('drain',): snapshots differ in ['gpu', 'cpu']: gpu: block 4 is ..."
+    assert kind(a) == kind(b) == "snapshot ['gpu', 'cpu']"
+    assert kind("call 1 ('finish', 'r0'): model returned 'x', implementation 'y'") == (
+        "result of finish"
+    )
+    data = "call 4 ('drain',): worker 0 cpu block 1 layer 0 does not hold the KV of g0:150ae7@4"
+    assert kind(data) == "KV bytes of a cpu block"
+    assert kind(
+        "call 2 ('step', 8): worker 1 gpu block 3 layer 1 does not hold the KV of g1:9@8"
+    ) == ("KV bytes of a gpu block")
+    crash = "call 2 ('finish', 'r0'): the implementation's snapshot raised KeyError: 'x'"
+    assert kind(crash) == "the implementation's snapshot raised KeyError"
+
+
+def test_a_real_failure_reduces_to_a_program_that_still_fails() -> None:
+    """The stuck shrink seen under the ci profile: resets nothing needs, around the race of
+    vLLM #45704 (a store that does not wait for compute)."""
+    config = OffloadConfig(4, 2, (4,), 4, 1)
+    program: list[Call] = [("add", "r0", [0, 1, 2, 3], 2), *[("reset",)] * 10]
+    program += [("step", 8), ("drain",), ("step", 8), ("drain",)]
+    faults = ["store-skips-compute-wait"]
+
+    def disagrees(calls: list[Call]) -> str | None:
+        return first_disagreement(config, calls, faults=faults, device="cpu")
+
+    reduced, found = reduce_program(program, disagrees)
+    assert [c[0] for c in reduced] == ["add", "step", "step", "drain"]
+    assert found is not None and "does not hold the KV" in found
