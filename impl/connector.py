@@ -11,7 +11,7 @@ IN-FLIGHT, RESET, EVENTS, LOAD-PINNED.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -82,20 +82,30 @@ class Connector:
         self.next_store_event = 0
         self.next_load_event = 0
         self.partial: dict[int, int] = {}
+        self.failed: set[int] = set()  # store events a worker reported failed
+        # CPU block ids -> those whose bytes fail their checksum; the driver gives the
+        # workers' check (the scheduler alone holds no bytes: nothing is ever damaged).
+        self.integrity_check: Callable[[list[int]], set[int]] = lambda ids: set()
 
     # -- lookup and load ------------------------------------------------------------------
 
     def longest_hit(
-        self, pool: Pool, keys: Sequence[Sequence[BlockKey]], start_tokens: int, limit: int
+        self,
+        pool: Pool,
+        keys: Sequence[Sequence[BlockKey]],
+        start_tokens: int,
+        limit: int,
+        skip: Container[int] = (),
     ) -> tuple[list[list[PoolBlock]], int]:
-        """Per group, blocks hit left to right from ``start_tokens``; the common aligned hit."""
+        """Per group, blocks hit left to right from ``start_tokens``; the common aligned hit.
+        Blocks in ``skip`` are passed over as if they were not cached."""
         found: list[list[PoolBlock]] = []
         hit = limit
         for size, group_keys in zip(self.sizes, keys, strict=True):
             first = start_tokens // size
             blocks: list[PoolBlock] = []
             for key in group_keys[first : first + limit // size]:
-                block = pool.find(key)
+                block = pool.find(key, skip)
                 if block is None:
                     break
                 blocks.append(block)
@@ -112,12 +122,42 @@ class Connector:
         limit = request.num_tokens - 1 - computed
         if computed % self.align or len(request.digests) * self.hbs <= computed or limit <= 0:
             return 0, False
-        blocks, hit = self.longest_hit(self.cpu, request.block_keys(), computed, limit)
+        blocks, hit = self.intact_hit(request.block_keys(), computed, limit)
         if hit <= 0:
             return 0, False
         self.pin_hit(blocks)
         self.hits[request.request_id] = Hit(blocks, hit, computed)
         return hit, True
+
+    def intact_hit(
+        self, keys: Sequence[Sequence[BlockKey]], start: int, limit: int
+    ) -> tuple[list[list[PoolBlock]], int]:
+        """The longest CPU hit whose blocks pass the integrity check: a damaged block is
+        evicted (its keys dropped, its queue place kept) and the lookup made again."""
+        while True:
+            blocks, hit = self.longest_hit(self.cpu, keys, start, limit)
+            damaged = self.verify(blocks)
+            if not damaged:
+                return blocks, hit
+            for block in damaged:
+                self.cpu.drop_keys(block)
+
+    def lookup(self, keys: Sequence[Sequence[BlockKey]], limit: int) -> int:
+        """The hit a request would get now, read-only: what ``intact_hit`` would find,
+        passing over damaged blocks instead of evicting them."""
+        damaged: set[int] = set()
+        while True:
+            blocks, hit = self.longest_hit(self.cpu, keys, 0, limit, damaged)
+            found = self.verify(blocks)
+            if not found:
+                return hit
+            damaged.update(b.block_id for b in found)
+
+    def verify(self, blocks: list[list[PoolBlock]]) -> list[PoolBlock]:
+        """The hit blocks whose bytes fail their checksum on some worker."""
+        candidates = [b for group in blocks for b in group if not b.is_null]
+        bad = self.integrity_check([b.block_id for b in candidates])
+        return [b for b in candidates if b.block_id in bad]
 
     def pin_hit(self, blocks: list[list[PoolBlock]]) -> None:
         self.cpu.pin(b for group in blocks for b in group)
@@ -263,9 +303,15 @@ class Connector:
 
     # -- completions ----------------------------------------------------------------------
 
-    def report(self, finished_loads: set[str], stores: dict[int, int]) -> None:
+    def report(
+        self,
+        finished_loads: set[str],
+        stores: dict[int, int],
+        failed: frozenset[int] = frozenset(),
+    ) -> None:
         for rid in sorted(finished_loads):
             self.drop_load(rid)
+        self.failed |= failed
         for event, count in stores.items():
             self.count_store(event, count)
 
@@ -277,6 +323,8 @@ class Connector:
             self.store_done(event)
 
     def store_done(self, event: int) -> None:
+        failed = event in self.failed
+        self.failed.discard(event)
         copy = self.stores.pop(event, None)
         if copy is None:
             abandoned = self.abandoned_stores.pop(event, None)
@@ -284,10 +332,13 @@ class Connector:
                 self.forget(abandoned)
             return
         self.in_flight.difference_update(b.block_id for b in copy.gpu)
-        for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
-            self.publish(gpu_block, cpu_block)
-        self.cpu.release(copy.cpu)
-        self.gpu.release(copy.gpu)
+        if failed:
+            self.forget(copy)  # a worker's copy failed: nothing of it becomes reachable
+        else:
+            for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
+                self.publish(gpu_block, cpu_block)
+            self.cpu.release(copy.cpu)
+            self.gpu.release(copy.gpu)
         for rid in self.store_reqs.pop(event, []):
             tracker = self.trackers.get(rid)
             if tracker is not None:

@@ -17,6 +17,7 @@ from kvoffload.impl.content import token_bytes, token_seeds
 from kvoffload.impl.engine import ImplEngine, ImplRequest, Status
 from kvoffload.impl.faults import FAULTS
 from kvoffload.impl.snapshot import take_snapshot
+from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import KVLayout, Worker
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
@@ -25,10 +26,9 @@ from kvoffload.model.snapshot import Snapshot
 from kvoffload.model.types import NO_EVENT, FinishResult, StepResult
 from kvoffload.model.validate import (
     owed_completions,
-    require_completion,
+    require_damageable,
     require_int,
     require_live_request,
-    require_new_request,
     require_tokens,
 )
 
@@ -61,6 +61,8 @@ class OffloadImpl:
         classes = [FAULTS[f].cls for f in faults]
         connector = _compose(Connector, [c for c in classes if issubclass(c, Connector)], "C")
         worker = _compose(Worker, [c for c in classes if issubclass(c, Worker)], "W")
+        checks = _compose(Validation, [c for c in classes if issubclass(c, Validation)], "V")
+        self.validation: Validation = checks(config)
         self.engine = ImplEngine(config, connector)
         self.device = torch.device(device) if device is not None else default_device()
         self.workers: list[Worker] = (
@@ -70,6 +72,8 @@ class OffloadImpl:
         )
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
+        if self.workers:
+            self.connector.integrity_check = self._damaged
         # The data check's memory: seeds behind each key seen, expected bytes per layer.
         self._fully_indexed: set[str] = set()
         self._key_seeds: dict[BlockKey, list[int]] = {}
@@ -94,9 +98,7 @@ class OffloadImpl:
     # -- the driver API -------------------------------------------------------------------
 
     def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
-        tokens = require_new_request(
-            self.config, request_id, prompt, max_tokens, self.engine.requests
-        )
+        tokens = self.validation.new_request(request_id, prompt, max_tokens, self.engine.requests)
         self.engine.add(request_id, tokens, max_tokens)
 
     def step(self, token_budget: int) -> StepResult:
@@ -131,13 +133,43 @@ class OffloadImpl:
     def complete_store(self, event: int, worker: int = 0) -> bool:
         """Worker ``worker`` reports store ``event`` (after waiting for its copy); True when
         every worker has."""
+        return self._report_store(event, worker, failed=False)
+
+    def fail_store(self, event: int, worker: int = 0) -> bool:
+        """Worker ``worker`` reports that its copy of store ``event`` failed (an injected
+        fault): once every worker has reported, the store is dropped, never registered."""
+        return self._report_store(event, worker, failed=True)
+
+    def _report_store(self, event: int, worker: int, failed: bool) -> bool:
         reported = self._accept("store", event, worker)
         live = self.connector.stores.get(event)
-        self.connector.report(set(), {event: 1})
-        if live is not None and event not in self.connector.stores:
+        dropped = failed or event in self.connector.failed
+        self.connector.report(set(), {event: 1}, frozenset({event}) if failed else frozenset())
+        if live is not None and event not in self.connector.stores and not dropped:
             for w in self.workers:
                 w.seal([b.block_id for b in live.cpu])
         return len(reported) == self.config.world_size
+
+    def corrupt(self, cpu_block: int, worker: int = 0) -> None:
+        """Damage the bytes of cached CPU block ``cpu_block`` on worker ``worker`` (an
+        injected fault); the lookup that reaches it must find it out (``_damaged``)."""
+        cpu = self.connector.cpu
+
+        def state(block_id: int) -> tuple[object | None, int]:
+            return cpu.blocks[block_id].key, cpu.blocks[block_id].ref
+
+        require_damageable(self.config, cpu_block, worker, state)
+        if self.workers:
+            self.workers[worker].settle()
+            self.workers[worker].corrupt(cpu_block)
+
+    def _damaged(self, cpu_ids: list[int]) -> set[int]:
+        """The CPU blocks whose bytes fail their checksum on some worker."""
+        found: set[int] = set()
+        for w in self.workers:
+            w.settle()
+            found |= w.damaged(cpu_ids)
+        return found
 
     def complete_load(self, event: int, worker: int = 0) -> tuple[str, ...]:
         """Worker ``worker`` reports load ``event`` (after waiting for its copy); returns the
@@ -156,7 +188,7 @@ class OffloadImpl:
             self.connector.next_store_event if kind == "store" else self.connector.next_load_event
         )
         reported = table.get(event, set())
-        require_completion(self.config, kind, event, worker, counter, reported)
+        self.validation.completion(kind, event, worker, counter, reported)
         if self.workers:
             w = self.workers[worker]
             (w.wait_store if kind == "store" else w.wait_load)(event)
@@ -175,10 +207,7 @@ class OffloadImpl:
     def lookup(self, tokens: Sequence[int]) -> int:
         prompt = require_tokens(tokens)
         probe = ImplRequest("", prompt, 1, self.config)
-        _, hit = self.connector.longest_hit(
-            self.connector.cpu, probe.block_keys(), 0, len(prompt) - 1
-        )
-        return hit
+        return self.connector.lookup(probe.block_keys(), len(prompt) - 1)
 
     def reset(self) -> bool:
         return self.connector.reset()
@@ -203,11 +232,12 @@ class OffloadImpl:
 
     # -- data integrity -------------------------------------------------------------------
 
-    def data_mismatches(self) -> list[str]:
+    def data_mismatches(self, exempt: frozenset[int] = frozenset()) -> list[str]:
         """Every registered CPU block and every keyed full GPU block whose bytes differ from
         the content function of its key, on every worker. Keys are those of every request
         this driver has seen, finished ones included; a block's expected bytes are computed
-        once per (key, layer), since they are a function of the key alone."""
+        once per (key, layer), since they are a function of the key alone. CPU blocks in
+        ``exempt`` (damaged on purpose, not yet found out) are not checked."""
         if not self.workers:
             return []
         self._index_keys()
@@ -228,6 +258,8 @@ class OffloadImpl:
                     if key.num_tokens % self.config.group_block_sizes[key.group]:
                         continue
                     if side == "gpu" and block.block_id in busy:
+                        continue
+                    if side == "cpu" and block.block_id in exempt:
                         continue
                     for layer, tensor in enumerate(tensors[key.group]):
                         expected = self._expected(key, layer)

@@ -1,19 +1,23 @@
 """The fault catalogue: named variants of the implementation, each reproducing a real bug
 class of CPU offloading. All are off by default; ``OffloadImpl(faults=[name, ...])``
-selects them. Each class overrides one behaviour of :class:`Connector` or :class:`Worker`
-and says which vLLM issue, PR or code it comes from.
+selects them. Each class overrides one behaviour of :class:`Connector`, :class:`Worker` or
+:class:`Validation` and says which vLLM issue, PR or code (or which part of kvoffload's own
+contract: the integrity of host blocks, the input checks) it comes from.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Container, Sequence
+from dataclasses import dataclass, replace
 
 from kvoffload.impl.connector import Connector, Copy, Tracker
 from kvoffload.impl.engine import ImplRequest
 from kvoffload.impl.pool import Pool, PoolBlock
+from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import Worker
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.types import NO_EVENT, ConnectorMetadata
+from kvoffload.model.validate import require_new_request
 
 
 class PhantomPrimary(Connector):
@@ -180,13 +184,55 @@ class StoreSkipsComputeWait(Worker):
         return False
 
 
+class IntegritySpotCheck(Connector):
+    """kvoffload's integrity contract (a damaged host block is never loaded): a check that
+    reads only the first block of each group's hit, a common shortcut, lets a damaged block
+    further in be loaded into the GPU."""
+
+    def verify(self, blocks: list[list[PoolBlock]]) -> list[PoolBlock]:
+        return super().verify([group[:1] for group in blocks])
+
+
+class FailedStoreRegisters(Connector):
+    """A worker whose copy failed (its DMA erred, its rank died) reports the store failed;
+    registering the store anyway serves CPU blocks that hold no whole copy of the KV."""
+
+    def store_done(self, event: int) -> None:
+        self.failed.discard(event)
+        super().store_done(event)
+
+
+class DuplicateReportCounted(Validation):
+    """vLLM sums ``completed_store_events`` over the workers' outputs without asking which
+    worker sent them; a worker whose report is delivered twice then completes the store
+    before another worker has copied. The driver contract rejects the second report."""
+
+    def completion(
+        self, kind: str, event: int, worker: int, counter: int, reported: set[int]
+    ) -> None:
+        super().completion(kind, event, worker, counter, set())
+
+
+class FitCountsCpuPool(Validation):
+    """vLLM refuses a request the GPU KV cache cannot hold on its own (``max_model_len``):
+    CPU offloading keeps copies, it adds no room to compute in. Checking the request against
+    the GPU and CPU pools together queues a request that can never be scheduled, in front of
+    every later one."""
+
+    def new_request(
+        self, request_id: str, prompt: Sequence[int], max_tokens: int, known: Container[str]
+    ) -> tuple[int, ...]:
+        both = replace(self.config, gpu_blocks=self.config.gpu_blocks + self.config.cpu_blocks)
+        return require_new_request(both, request_id, prompt, max_tokens, known)
+
+
 @dataclass(frozen=True)
 class Fault:
     """A named fault; ``breaks`` is the invariant of ``docs/spec.md`` it violates, or
     ``KV-BYTES`` when what goes wrong is the data (a block not holding its key's KV)."""
 
     name: str
-    cls: type[Connector] | type[Worker]
+    cls: type[Connector] | type[Worker] | type[Validation]
     breaks: str
 
     @property
@@ -209,5 +255,9 @@ FAULTS: dict[str, Fault] = {
         Fault("partial-completions-dropped", PartialCompletionsDropped, "EVENTS"),
         Fault("lookup-pin-missing", LookupPinMissing, "REF-CPU"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
+        Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
+        Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),
+        Fault("duplicate-report-counted", DuplicateReportCounted, "INPUT"),
+        Fault("fit-counts-cpu-pool", FitCountsCpuPool, "INPUT"),
     ]
 }

@@ -11,7 +11,7 @@ POOL-PRIMARY for every block the pool itself registers, POOL-NULL, POOL-FRESH.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 
 from kvoffload.model.keys import BlockKey
 
@@ -101,9 +101,14 @@ class Pool:
     def num_free(self) -> int:
         return self.free.size
 
-    def find(self, key: BlockKey) -> PoolBlock | None:
+    def find(self, key: BlockKey, skip: Container[int] = ()) -> PoolBlock | None:
+        """The first block registered under ``key`` (by insertion), ``skip``'s ids aside."""
         holders = self.index.get(key)
-        return next(iter(holders.values())) if holders else None
+        if not holders:
+            return None
+        if not skip:
+            return next(iter(holders.values()))
+        return next((b for i, b in holders.items() if i not in skip), None)
 
     def has(self, key: BlockKey, block_id: int) -> bool:
         holders = self.index.get(key)

@@ -210,10 +210,16 @@ class Worker:
         return Transfer(job=self.copier.submit(priority, run))
 
     def wait_store(self, event: int) -> None:
-        self.stores.pop(event).wait()
+        """Block until this worker's copy of store ``event`` is done (at once if it was
+        waited for already)."""
+        copy = self.stores.pop(event, None)
+        if copy is not None:
+            copy.wait()
 
     def wait_load(self, event: int) -> None:
-        self.loads.pop(event).wait()
+        copy = self.loads.pop(event, None)
+        if copy is not None:
+            copy.wait()
 
     def settle(self) -> set[int]:
         """Finish every copy; return the device blocks whose KV writes are still queued.
@@ -234,6 +240,19 @@ class Worker:
         if self.layout.checksums:
             for cpu_id in cpu_ids:
                 self.sums[cpu_id] = self.block_sum(cpu_id)
+
+    def damaged(self, cpu_ids: Sequence[int]) -> set[int]:
+        """The sealed CPU blocks among ``cpu_ids`` whose bytes no longer match their
+        checksum (none can be told without checksums)."""
+        return {i for i in cpu_ids if i in self.sums and self.block_sum(i) != self.sums[i]}
+
+    def corrupt(self, cpu_id: int) -> None:
+        """Damage one sealed host block (an injected fault): flip its bytes in every group's
+        first layer, unless they are flipped already (twice would restore them)."""
+        if self.damaged([cpu_id]):
+            return
+        for layers in self.cpu_kv:
+            layers[0][cpu_id] ^= 0xFF
 
     def check_sums(self, cpu_ids: Sequence[int]) -> None:
         for cpu_id in cpu_ids:

@@ -21,7 +21,7 @@ This is the readable reference: lists and dicts, linear scans, no optimisation.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvoffload.model.keys import BlockKey
@@ -73,12 +73,17 @@ class BlockPool:
         self.null_block.is_null = True
         self.cached: dict[BlockKey, list[int]] = {}
         self.secondary: dict[int, set[BlockKey]] = {}
+        # kvoffload's integrity contract (not vLLM's, whose scheduler reads no bytes): the
+        # blocks whose bytes were damaged after they were registered. A block leaves the set
+        # when it loses its keys (eviction, reset) or is handed out for new bytes.
+        self.damaged: set[int] = set()
         self.allocation_log: list[FreshRecord] = []
 
     # -- the key map (vLLM's BlockHashToBlockMap) ---------------------------------------
 
-    def get_one_block(self, key: BlockKey) -> Block | None:
-        ids = self.cached.get(key)
+    def get_one_block(self, key: BlockKey, skip: Container[int] = ()) -> Block | None:
+        """The first block cached under ``key``, passing over the ids in ``skip``."""
+        ids = [i for i in self.cached.get(key, []) if i not in skip]
         return self.blocks[ids[0]] if ids else None
 
     def contain(self, key: BlockKey, block_id: int) -> bool:
@@ -147,6 +152,7 @@ class BlockPool:
             self.remove_cached_block_hashes(block)
             assert block.ref_cnt == 0, f"{self.name} block {block.block_id} was queued in use"
             block.ref_cnt = 1
+            self.damaged.discard(block.block_id)
         for block in taken:
             self.allocation_log.append(
                 FreshRecord(
@@ -180,6 +186,7 @@ class BlockPool:
         """Remove the keys of the given blocks, whatever their ref count; queue unchanged."""
         for block_id in block_ids:
             self.remove_cached_block_hashes(self.blocks[block_id])
+            self.damaged.discard(block_id)
 
     def reset_prefix_cache(self) -> bool:
         """Forget every key, but only when nothing but the null block is in use."""
@@ -187,6 +194,7 @@ class BlockPool:
             return False
         self.cached = {}
         self.secondary.clear()
+        self.damaged.clear()
         for block in self.blocks:
             block.reset_hash()
         return True

@@ -25,6 +25,7 @@ from kvoffload.model.types import FinishResult, StepResult
 from kvoffload.model.validate import (
     owed_completions,
     require_completion,
+    require_damageable,
     require_int,
     require_live_request,
     require_new_request,
@@ -79,13 +80,37 @@ class OffloadModel:
 
     def complete_store(self, event: int, worker: int = 0) -> bool:
         """Worker ``worker`` reports store ``event`` done; True when all workers have."""
+        return self._report_store(event, worker, failed=False)
+
+    def fail_store(self, event: int, worker: int = 0) -> bool:
+        """Worker ``worker`` reports that its copy of store ``event`` failed (an injected
+        fault). Once every worker has reported, the store is dropped: its CPU blocks go back
+        unregistered, as an abandoned store's do. True when all workers have reported."""
+        return self._report_store(event, worker, failed=True)
+
+    def _report_store(self, event: int, worker: int, failed: bool) -> bool:
         counter = self.engine.connector.store_event_counter
         reports = self._completion("store", event, worker, counter, self._store_reports)
         self._begin()
         reports.add(worker)
-        self.engine.store_completed(event, 1)
+        self.engine.store_completed(event, 1, failed)
         self._end()
         return len(reports) == self.config.world_size
+
+    def corrupt(self, cpu_block: int, worker: int = 0) -> None:
+        """Damage the bytes of cached CPU block ``cpu_block`` on worker ``worker`` (an
+        injected fault: a stray write, a bad page). The integrity contract: the block is
+        never loaded; the first lookup that reaches it evicts it (``docs/spec.md``)."""
+        pool = self.engine.connector.cpu_pool
+
+        def state(block_id: int) -> tuple[object | None, int]:
+            block = pool.blocks[block_id]
+            return block.block_hash, block.ref_cnt
+
+        require_damageable(self.config, cpu_block, worker, state)
+        self._begin()
+        pool.damaged.add(cpu_block)
+        self._end()
 
     def complete_load(self, event: int, worker: int = 0) -> tuple[str, ...]:
         """Worker ``worker`` reports load ``event`` done; returns the requests whose load is
@@ -102,11 +127,14 @@ class OffloadModel:
         return finished
 
     def lookup(self, tokens: Sequence[int]) -> int:
-        """Tokens of a prompt the CPU pool would serve now (read-only: pins nothing)."""
+        """Tokens of a prompt the CPU pool would serve now (read-only: pins nothing, evicts
+        nothing). A damaged block is not served, so the lookup passes over it as the
+        scheduler's would after evicting it (``OffloadScheduler._intact_hit``)."""
         prompt = require_tokens(tokens)
         digests = prefix_digests(prompt, self.config.hash_block_size)
+        pool = self.engine.connector.cpu_pool
         _, hit = find_longest_cache_hit(
-            self.engine.connector.cpu_pool, digests, 0, len(prompt) - 1, self.config
+            pool, digests, 0, len(prompt) - 1, self.config, skip=pool.damaged
         )
         return hit
 

@@ -362,5 +362,7 @@ class Engine:
                 self.delayed_free.discard(req_id)
                 self._free_blocks(req_id)
 
-    def store_completed(self, event: int, count: int) -> None:
-        self.connector.update_connector_output(set(), {event: count})
+    def store_completed(self, event: int, count: int, failed: bool = False) -> None:
+        self.connector.update_connector_output(
+            set(), {event: count}, frozenset({event}) if failed else frozenset()
+        )

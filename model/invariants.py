@@ -21,7 +21,8 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - SKIP: a selected GPU block is not null, is hashed, was not in flight and its key was not
   in the CPU map.
 - CAPACITY: a selection takes at most as many blocks as the CPU pool had free.
-- UNREACHABLE: the CPU destination of a store that has not completed holds no mapped key.
+- UNREACHABLE: the CPU destination of a store that has not completed holds no mapped key,
+  nor does that of a store dropped because a worker's copy failed.
 - REGISTERED: a completed store maps the GPU block's primary (with its token count) and
   every secondary key to the CPU block, which is free.
 - PENDING: has_pending_stores() iff a flush is queued or a store is in flight or abandoned.
@@ -33,6 +34,8 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - FLUSH-COMPLETE: a tracked request's finish leaves every confirmed block with a
   disposition: stored, present, in flight, null, unhashed or dropped for capacity.
 - LOAD-PINNED: CPU blocks pinned by a lookup or a load are in use and mapped by their primary.
+- INTEGRITY: a damaged block (an injected fault) is a CPU block that still holds its key and
+  is not in use: no lookup pinned it and no load reads it.
 """
 
 from __future__ import annotations
@@ -189,6 +192,11 @@ def unreachable(state: Engine) -> Iterator[str]:
             mapped = cpu.keys_of(block_id)
             if mapped:
                 yield f"cpu block {block_id} is mapped by {mapped} before its store completed"
+    for t in state.connector.dropped_log:
+        for block_id in t.cpu_block_ids:
+            mapped = cpu.keys_of(block_id)
+            if mapped:
+                yield f"cpu block {block_id} of a failed store is mapped by {mapped}"
 
 
 def registered(state: Engine) -> Iterator[str]:
@@ -279,6 +287,9 @@ def events(state: Engine) -> Iterator[str]:
     for e, n in c.store_event_pending_counts.items():
         if not 0 < n < c.expected_worker_count:
             yield f"store event {e} has partial count {n} of {c.expected_worker_count}"
+    outstanding = c.store_event_to_blocks.keys() | c.abandoned_store_event_to_blocks.keys()
+    for e in sorted(c.failed_store_events - outstanding):
+        yield f"store event {e} is marked failed but is not outstanding"
 
 
 def flush_complete(state: Engine) -> Iterator[str]:
@@ -306,6 +317,18 @@ def load_pinned(state: Engine) -> Iterator[str]:
             yield f"cpu block {b.block_id} is pinned for a load but not mapped by its primary"
 
 
+def integrity(state: Engine) -> Iterator[str]:
+    if state.gpu_pool.damaged:
+        yield f"gpu blocks {sorted(state.gpu_pool.damaged)} are damaged: only cpu blocks can be"
+    cpu = state.connector.cpu_pool
+    for block_id in sorted(cpu.damaged):
+        b = cpu.blocks[block_id]
+        if b.block_hash is None:
+            yield f"damaged cpu block {block_id} holds no key, yet is still marked damaged"
+        if b.ref_cnt:
+            yield f"damaged cpu block {block_id} is in use (ref count {b.ref_cnt})"
+
+
 CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "POOL-QUEUE": pool_queue,
     "POOL-MAP": pool_map,
@@ -325,6 +348,7 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "EVENTS": events,
     "FLUSH-COMPLETE": flush_complete,
     "LOAD-PINNED": load_pinned,
+    "INTEGRITY": integrity,
 }
 
 
@@ -362,7 +386,7 @@ def exercised(state: Engine) -> set[str]:
         "KEYS": any(any(n) for n in state.num_cached_blocks.values()),
         "SKIP": any(s.picks for s in c.selection_log),
         "CAPACITY": bool(c.selection_log),
-        "UNREACHABLE": bool(_stores(state)),
+        "UNREACHABLE": bool(_stores(state) or c.dropped_log),
         "REGISTERED": bool(c.completion_log),
         "PENDING": c.has_pending_stores(),
         "IN-FLIGHT": bool(c.in_flight_store_gpu_blocks),
@@ -370,5 +394,6 @@ def exercised(state: Engine) -> set[str]:
         "EVENTS": bool(c.store_event_counter or c.load_event_counter),
         "FLUSH-COMPLETE": any(any(r.confirmed_blocks) for r in state.finish_records),
         "LOAD-PINNED": bool(c.pending_cpu_hits or _loads(state)),
+        "INTEGRITY": bool(cpu.damaged),
     }
     return {name for name, present in subjects.items() if present}

@@ -11,7 +11,7 @@ each returned block is registered under the key of its position.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
 from kvoffload.model.arith import hit_length
@@ -28,15 +28,17 @@ def find_longest_cache_hit(
     num_computed_tokens: int,
     max_length: int,
     config: OffloadConfig,
+    skip: Container[int] = (),
 ) -> tuple[tuple[list[Block], ...], int]:
-    """The blocks of the longest hit after ``num_computed_tokens``, and its length."""
+    """The blocks of the longest hit after ``num_computed_tokens``, and its length; the
+    blocks in ``skip`` are passed over as if they were not cached."""
     hits: list[list[Block]] = []
     for g, block_size in enumerate(config.group_block_sizes):
         keys = block_keys(digests, g, block_size, config.hash_block_size)
         start = num_computed_tokens // block_size
         found: list[Block] = []
         for key in keys[start : start + max_length // block_size]:
-            block = pool.get_one_block(key)
+            block = pool.get_one_block(key, skip)
             if block is None:
                 break
             found.append(block)

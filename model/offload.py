@@ -155,6 +155,9 @@ class OffloadScheduler:
         self.load_event_counter = 0
         self.store_event_counter = 0
         self.store_event_pending_counts: dict[int, int] = {}
+        # Store events a worker reported failed (kvoffload's contract: vLLM's workers report
+        # no failure): when every worker has reported, the copy is dropped, not registered.
+        self.failed_store_events: set[int] = set()
 
         # Ghost state for the invariants.
         self.dispositions: dict[str, list[dict[int, Disposition]]] = {}
@@ -163,6 +166,7 @@ class OffloadScheduler:
         self.issued_load_events: list[int] = []
         self.selection_log: list[SelectionRecord] = []
         self.completion_log: list[CompletionRecord] = []
+        self.dropped_log: list[Transfer] = []  # stores dropped for a failed copy
         self.reset_log: list[ResetRecord] = []
 
     # -- lookup and load ------------------------------------------------------------------
@@ -182,14 +186,31 @@ class OffloadScheduler:
         max_hit_len = lookup_limit(request.num_tokens, num_computed_tokens)
         if max_hit_len <= 0:
             return 0, False
-        blocks, hit = find_longest_cache_hit(
-            self.cpu_pool, request.digests, num_computed_tokens, max_hit_len, self.config
-        )
+        blocks, hit = self._intact_hit(request.digests, num_computed_tokens, max_hit_len)
         if hit <= 0:
             return 0, False
         self.cpu_pool.touch([b for group in blocks for b in group if not b.is_null])
         self.pending_cpu_hits[request.request_id] = PendingHit(blocks, hit, num_computed_tokens)
         return hit, True
+
+    def _intact_hit(
+        self, digests: list[str], num_computed_tokens: int, max_hit_len: int
+    ) -> tuple[tuple[list[Block], ...], int]:
+        """The longest CPU hit whose blocks hold the bytes they were registered with.
+
+        kvoffload's integrity contract (vLLM's scheduler reads no bytes): a hit block found
+        damaged is evicted, as ``evict_blocks`` does, and the lookup is made again, so the
+        hit ends before it and a damaged block is never loaded. Again, since a key cached
+        by several blocks may lead to another damaged one; each round evicts at least one.
+        """
+        while True:
+            blocks, hit = find_longest_cache_hit(
+                self.cpu_pool, digests, num_computed_tokens, max_hit_len, self.config
+            )
+            damaged = [b.block_id for g in blocks for b in g if b.block_id in self.cpu_pool.damaged]
+            if not damaged:
+                return blocks, hit
+            self.cpu_pool.evict_blocks(damaged)
 
     def update_state_after_alloc(
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
@@ -383,10 +404,14 @@ class OffloadScheduler:
     # -- completions ------------------------------------------------------------------------
 
     def update_connector_output(
-        self, finished_recving: set[str], completed_store_events: dict[int, int]
+        self,
+        finished_recving: set[str],
+        completed_store_events: dict[int, int],
+        failed_store_events: frozenset[int] = frozenset(),
     ) -> None:
         for req_id in sorted(finished_recving):
             self._cleanup_load_request(req_id)
+        self.failed_store_events |= failed_store_events
         for event, count in completed_store_events.items():
             total = self.store_event_pending_counts.get(event, 0) + count
             if total >= self.expected_worker_count:
@@ -396,6 +421,8 @@ class OffloadScheduler:
                 self.store_event_pending_counts[event] = total
 
     def _process_store_event(self, event: int) -> None:
+        failed = event in self.failed_store_events
+        self.failed_store_events.discard(event)
         transfer = self.store_event_to_blocks.pop(event, None)
         if transfer is None:
             transfer = self.abandoned_store_event_to_blocks.pop(event, None)
@@ -406,7 +433,14 @@ class OffloadScheduler:
             return
         self.processed_store_events.append(event)
         self.in_flight_store_gpu_blocks.difference_update(transfer.gpu_block_ids)
-        self._process_store_completion(event, transfer)
+        if failed:
+            # A worker's copy failed: its CPU blocks hold no whole copy, so nothing becomes
+            # reachable; the blocks go back as an abandoned store's do. The GPU blocks are
+            # not retried (their cursors moved on), which costs hits, never correctness.
+            self._release_transfer_refs(transfer)
+            self.dropped_log.append(transfer)
+        else:
+            self._process_store_completion(event, transfer)
         for req_id in self.store_event_to_reqs.pop(event, []):
             state = self.reqs_to_store.get(req_id)
             if state is None:
@@ -567,6 +601,7 @@ class OffloadScheduler:
         """Forget the ghost records of the previous driver call."""
         self.selection_log.clear()
         self.completion_log.clear()
+        self.dropped_log.clear()
         self.reset_log.clear()
         self.cpu_pool.allocation_log.clear()
         self.gpu_pool.allocation_log.clear()

@@ -3,7 +3,7 @@ the error it raises. Checks only; nothing here changes state."""
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Callable, Container, Sequence
 
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import (
@@ -117,3 +117,23 @@ def owed_completions(
         for worker in range(config.world_size)
         if worker not in reports.get(event, set())
     ]
+
+
+def require_damageable(
+    config: OffloadConfig,
+    block_id: object,
+    worker: object,
+    state: Callable[[int], tuple[object | None, int]],
+) -> None:
+    """An injected fault (``corrupt``) damages the bytes of a cached CPU block: one in the
+    pool, not the null block, registered and unpinned (``state(block_id)`` gives its
+    primary key, None when it has none, and its ref count), on a worker of the world."""
+    block = require_int("cpu block", block_id, 1, config.cpu_blocks - 1)
+    require_int("worker", worker, 0, config.world_size - 1)
+    key, ref_cnt = state(block)
+    if key is None:
+        raise InvalidArgumentError(f"cpu block {block} is not registered: no KV to damage")
+    if ref_cnt:
+        raise InvalidArgumentError(
+            f"cpu block {block} is in use (ref count {ref_cnt}): only a cached block is damaged"
+        )

@@ -37,9 +37,19 @@ class Target(Protocol):
 class HoldsBytes(Protocol):
     """A target that moves KV bytes, and can say which blocks hold the wrong ones."""
 
-    def data_mismatches(self) -> list[str]:
-        """Every stored or loaded block whose bytes are not its key's KV; empty if none."""
+    def data_mismatches(self, exempt: frozenset[int] = frozenset()) -> list[str]:
+        """Every stored or loaded block whose bytes are not its key's KV, CPU blocks in
+        ``exempt`` aside; empty if none."""
         ...
+
+
+@runtime_checkable
+class Injectable(Protocol):
+    """A target that takes injected faults: a worker's failed store, a damaged host block
+    (``docs/spec.md``, the integrity contract)."""
+
+    def fail_store(self, event: int, worker: int = 0) -> bool: ...
+    def corrupt(self, cpu_block: int, worker: int = 0) -> None: ...
 
 
 Adapter = Callable[[OffloadConfig], Target]

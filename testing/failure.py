@@ -45,6 +45,8 @@ CALLS: dict[str, tuple[str, ...]] = {
     "reset": (),
     "lookup": ("ints",),
     "drain": (),
+    "fail_store": ("int", "int"),
+    "corrupt": ("int", "int"),
 }
 CONFIG_FIELDS = ("gpu_blocks", "cpu_blocks", "group_block_sizes", "hash_block_size", "world_size")
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")

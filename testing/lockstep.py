@@ -3,8 +3,9 @@ comparing every result, every snapshot and the KV bytes after every call.
 
 A program is a list of calls, each a tuple: ``("add", id, prompt, max_tokens)``,
 ``("step", budget)``, ``("finish", id)``, ``("store", event, worker)``, ``("load", event,
-worker)``, ``("reset",)``, ``("lookup", prompt)`` or ``("drain",)`` (every outstanding
-completion, loads first)."""
+worker)``, ``("reset",)``, ``("lookup", prompt)``, ``("drain",)`` (every outstanding
+completion, loads first), and the injected faults ``("fail_store", event, worker)`` (a
+worker's copy failed) and ``("corrupt", cpu_block, worker)`` (a cached host block damaged)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,13 @@ from kvoffload.impl import OffloadImpl
 from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
 from kvoffload.model.snapshot import PoolView
 from kvoffload.model.variants import keeps_invariants
-from kvoffload.testing.adapters import HoldsBytes, Target, adapters, expected_variant
+from kvoffload.testing.adapters import (
+    HoldsBytes,
+    Injectable,
+    Target,
+    adapters,
+    expected_variant,
+)
 
 Call = tuple[Any, ...]
 
@@ -30,6 +37,11 @@ def apply(target: OffloadModel | Target, call: Call) -> object:
         return target.finish(*args)
     if name == "store":
         return target.complete_store(*args)
+    if name == "fail_store":
+        return injectable(target).fail_store(*args)
+    if name == "corrupt":
+        injectable(target).corrupt(*args)
+        return None
     if name == "load":
         return target.complete_load(*args)
     if name == "reset":
@@ -41,6 +53,13 @@ def apply(target: OffloadModel | Target, call: Call) -> object:
         done += [target.complete_store(e, w) for e, w in target.outstanding("store")]
         return done
     raise ValueError(f"unknown call {name!r}")
+
+
+def injectable(target: OffloadModel | Target) -> Injectable:
+    """The target, if it takes injected faults (vLLM's scheduler side does not)."""
+    if not isinstance(target, Injectable):
+        raise ValueError(f"{type(target).__name__} takes no injected faults")
+    return target
 
 
 def as_outcome(error: BaseException) -> str:
@@ -89,7 +108,9 @@ def compare(model: OffloadModel, impl: Target, call: Call, n: int) -> str | None
         return f"call {n} {call}: snapshots differ in {fields}: {details}"
     # A target without KV bytes (vLLM's scheduler side) is compared on the above alone.
     try:
-        wrong = impl.data_mismatches() if isinstance(impl, HoldsBytes) else []
+        # A block damaged on purpose holds the wrong bytes until a lookup finds it out.
+        exempt = frozenset(model.engine.connector.cpu_pool.damaged)
+        wrong = impl.data_mismatches(exempt) if isinstance(impl, HoldsBytes) else []
     except Exception as error:
         return f"call {n} {call}: the implementation's data check raised {as_outcome(error)}"
     if wrong:

@@ -23,6 +23,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 
 from kvoffload.model import OffloadConfig, OffloadModel, SetupError
 from kvoffload.model.invariants import exercised
+from kvoffload.model.keys import prefix_digests
+from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.validate import MAX_TOKEN_ID
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import (
@@ -90,6 +92,7 @@ class ConformanceMachine(RuleBasedStateMachine):
 
     adapter_name: ClassVar[str] = "impl"
     variant: ClassVar[str] = "fixed"  # the model variant the target is compared with
+    injects: ClassVar[bool] = True  # the target takes injected faults
     adapter: ClassVar[Adapter]
     recorder: ClassVar[Recorder] = Recorder()
 
@@ -257,6 +260,37 @@ class ConformanceMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.run(("reset",), "reset")
 
+    # Faults injected into the target (issue 14): a worker whose copy failed, a cached host
+    # block whose bytes were damaged. The model says what must follow (the integrity
+    # contract of docs/spec.md), so a weakened integrity check is a disagreement like any
+    # other. vLLM's scheduler side takes neither: not drawn for it.
+    @precondition(lambda self: self.injects and bool(self.model.outstanding("store")))
+    @rule(data=st.data())
+    def fail_store(self, data: st.DataObject) -> None:
+        event, worker = data.draw(st.sampled_from(self.model.outstanding("store")))
+        self.run(("fail_store", event, worker), "fail_store")
+
+    @precondition(lambda self: self.injects)
+    @rule(data=st.data(), aimed=st.booleans())
+    def corrupt(self, data: st.DataObject, aimed: bool) -> None:
+        pool = self.model.engine.connector.cpu_pool
+        cached = [b.block_id for b in pool.blocks if b.block_hash is not None and not b.ref_cnt]
+        # Half the time a block an earlier prompt would load, then that prompt looked up:
+        # damage is found out only when a hit reaches it, and a check that reads only a
+        # hit's first block must be shown wrong, so the last blocks come first.
+        earlier: list[int] | None = None
+        if aimed and self.prompts:
+            earlier = data.draw(st.sampled_from(self.prompts))
+            digests = prefix_digests(earlier, self.config.hash_block_size)
+            hit, _ = find_longest_cache_hit(pool, digests, 0, len(earlier) - 1, self.config)
+            cached = [b.block_id for g in hit for b in g if not b.ref_cnt][::-1] or cached
+        if cached:
+            block = data.draw(st.sampled_from(cached))
+            worker = data.draw(st.integers(0, self.config.world_size - 1))
+            self.run(("corrupt", block, worker), "corrupt")
+            if earlier is not None:
+                self.run(("lookup", earlier), "corrupt", continued=True)
+
     # Bad input between good calls (issue 14): every driver must reject it with the model's
     # error and change nothing, so that a weakened validation is a disagreement, found and
     # shrunk like any other (a duplicate worker report counted twice, a request half added).
@@ -359,6 +393,7 @@ def machine_for(
             "adapter": staticmethod(factory),
             "recorder": recorder or Recorder(),
             "variant": compared_with,
+            "injects": adapter_name != "vllm",
         },
     )
 

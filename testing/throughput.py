@@ -91,6 +91,20 @@ class TrivialMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.count()
 
+    @precondition(lambda self: bool(self.live))
+    @rule(data=st.data())
+    def fail_store(self, data: st.DataObject) -> None:
+        data.draw(st.sampled_from(self.live))
+        self.count()
+
+    @rule(data=st.data(), aimed=st.booleans())
+    def corrupt(self, data: st.DataObject, aimed: bool) -> None:
+        if aimed:
+            data.draw(st.sampled_from(self.prompts))
+        data.draw(st.sampled_from(self.prompts))
+        data.draw(st.integers(0, 3))
+        self.count()
+
     @rule(data=st.data())
     def misuse(self, data: st.DataObject) -> None:
         data.draw(st.sampled_from(self.prompts))

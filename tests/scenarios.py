@@ -152,4 +152,33 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("lookup", prompt(13)),
         ],
     ),
+    # The integrity contract: the second block of a stored prompt damaged, then looked up.
+    "damaged-block-passed-over": (
+        cfg(8, 16),
+        [
+            ("add", "a", P40, 1),
+            ("step", 64),
+            ("step", 0),
+            ("drain",),
+            ("corrupt", 2, 0),
+            ("lookup", P40),
+        ],
+    ),
+    "failed-store-dropped": (
+        cfg(8, 16, world_size=2),
+        [
+            ("add", "a", P40, 1),
+            ("step", 64),
+            ("step", 0),
+            ("fail_store", 0, 1),
+            ("store", 0, 0),
+            ("lookup", P40),
+        ],
+    ),
+    # Bad input: a worker's report delivered twice, a request longer than the GPU pool.
+    "report-delivered-twice": (
+        cfg(8, 16, world_size=2),
+        [("add", "a", P40, 1), ("step", 64), ("step", 0), ("store", 0, 0), ("store", 0, 0)],
+    ),
+    "request-longer-than-gpu-pool": (cfg(4, 16), [("add", "a", P64, 1), ("step", 64)]),
 }

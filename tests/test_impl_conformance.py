@@ -25,6 +25,10 @@ FAULT_SCENARIO = {
     "partial-completions-dropped": "two-workers-report-apart",
     "lookup-pin-missing": "failed-allocation-keeps-lookup-pin",
     "store-skips-compute-wait": "final-flush-33",
+    "integrity-spot-check": "damaged-block-passed-over",
+    "failed-store-registers": "failed-store-dropped",
+    "duplicate-report-counted": "report-delivered-twice",
+    "fit-counts-cpu-pool": "request-longer-than-gpu-pool",
 }
 
 

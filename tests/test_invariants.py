@@ -123,6 +123,10 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
         FinishRecord("x", (3,), ({0: "stored"},))  # type: ignore[dict-item]
     ),
     "LOAD-PINNED": _break_load_pinned,
+    # a block a load reads marked damaged, as if the lookup had not verified it
+    "INTEGRITY": lambda m: m.engine.connector.cpu_pool.damaged.add(
+        m.engine.connector.reqs_to_load["b"].transfer.cpu_block_ids[0]
+    ),
 }
 
 

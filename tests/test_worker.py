@@ -72,13 +72,33 @@ def test_content_is_a_function_of_the_prefix_group_and_layer() -> None:
 
 
 def test_a_corrupted_host_block_is_never_loaded() -> None:
+    """The lookup verifies the hit's checksums: the damaged block is evicted, the hit ends
+    before it, and what is loaded is intact."""
     impl = OffloadImpl(cfg(5), device="cpu")
     for call in STORE_THEN_EVICT[:-1]:
         apply(impl, call)
-    hit_blocks = [b.block_id for b in impl.connector.cpu.blocks if b.key is not None][:1]
-    impl.workers[0].cpu_kv[0][1][hit_blocks[0], 5] ^= 0xFF
-    with pytest.raises(DataIntegrityError, match=f"cpu block {hit_blocks[0]} does not match"):
-        impl.step(64)
+    first, second = [b.block_id for b in impl.connector.cpu.blocks if b.key is not None][:2]
+    impl.workers[0].cpu_kv[0][1][second, 5] ^= 0xFF
+    result = impl.step(64)
+    assert result.metadata.load_cpu_blocks == (first,)
+    assert impl.connector.cpu.blocks[second].key is None
+    impl.complete_load(result.metadata.load_event)
+    assert impl.data_mismatches() == []
+    impl.close()
+
+
+def test_a_load_of_a_block_that_fails_its_checksum_is_refused() -> None:
+    """The last line of defence, under the lookup's check: a worker never copies a host
+    block whose bytes changed since it was sealed."""
+    impl = OffloadImpl(cfg(5), device="cpu")
+    for call in STORE_THEN_EVICT[:-1]:
+        apply(impl, call)
+    block = next(b.block_id for b in impl.connector.cpu.blocks if b.key is not None)
+    worker = impl.workers[0]
+    worker.cpu_kv[0][1][block, 5] ^= 0xFF
+    with pytest.raises(DataIntegrityError, match=f"cpu block {block} does not match"):
+        worker.submit_load(99, [1], [block])
+    impl.close()
 
 
 def test_without_checksums_the_corruption_reaches_the_device() -> None:

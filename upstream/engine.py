@@ -20,7 +20,7 @@ The model's ghost records of finishes stay empty of dispositions: vLLM keeps non
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Container, Iterable, Sequence
 from typing import Any, cast
 
 from kvoffload.model.block_pool import BlockPool
@@ -88,7 +88,9 @@ class VllmGpuPool:
     def num_free_blocks(self) -> int:
         return int(self.pool.get_num_free_blocks())
 
-    def get_one_block(self, key: BlockKey) -> Any:
+    def get_one_block(self, key: BlockKey, skip: Container[int] = ()) -> Any:
+        # Only the model's CPU pool passes over damaged blocks; this is vLLM's GPU pool.
+        assert not skip, "vLLM's GPU pool has no damaged blocks to pass over"
         return self.pool.cached_block_hash_to_block.get_one_block(self.keys.vllm_key(key))
 
     def touch(self, blocks: Sequence[Any]) -> None:
@@ -222,8 +224,14 @@ class VllmConnector:
         return Transfer(list(queue[-1].gpu_block_ids), list(queue[-1].cpu_block_ids))
 
     def update_connector_output(
-        self, finished_recving: set[str], completed_store_events: dict[int, int]
+        self,
+        finished_recving: set[str],
+        completed_store_events: dict[int, int],
+        failed_store_events: frozenset[int] = frozenset(),
     ) -> None:
+        # vLLM's workers report no failed store (kvoffload's integrity contract has them):
+        # the machine never injects one into this target.
+        assert not failed_store_events, "vLLM takes no failed store reports"
         self.manager.update_connector_output(
             self.KVConnectorOutput(
                 # vLLM releases the CPU blocks of finished loads in the iteration order of
