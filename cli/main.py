@@ -22,8 +22,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from kvoffload.model.errors import KVOffloadError, SetupError
+from kvoffload.model.errors import ConfigError, KVOffloadError, SetupError
 from kvoffload.model.variants import VARIANTS
+from kvoffload.upstream.targets import is_vllm_target
 
 EXIT_CODES = """exit status: 0 conforms (or as expected), 1 a disagreement, 2 bad usage or input,
 3 a broken setup (or an error of kvoffload itself)"""
@@ -124,11 +125,20 @@ def build_parser() -> Parser:
     verify.add_argument("--seconds", type=seconds, help="run the campaign for this long")
     verify.add_argument(
         "--target",
-        help="adapter to verify (default: impl, or impl-cuda), or a vLLM release as "
-        "vllm==X.Y.Z (checked in its own environment, see docs/upstream.md)",
+        help="adapter to verify (default: impl, or impl-cuda); or vLLM: a release as "
+        "vllm==X.Y.Z, a source tree or checkout as vllm@PATH, the vLLM of this environment "
+        "as vllm (docs/upstream.md)",
     )
     verify.add_argument(
-        "--install", action="store_true", help="with --target vllm==X: install it if absent"
+        "--install",
+        action="store_true",
+        help="with a vLLM target: install the release (or the shared environment) if absent",
+    )
+    verify.add_argument(
+        "--expect",
+        metavar="conform|VARIANT",
+        help="with a vLLM target: instead of its release's checks, expect it to conform (to "
+        "its release's variant, or to the model variant named)",
     )
     verify.add_argument("--no-mutants", action="store_true", help="skip the mutation matrix")
     verify.add_argument(
@@ -220,10 +230,20 @@ def _run(args: argparse.Namespace) -> int:
 
         return run_demo(args.variant)
     if args.command in ("verify", "mutants", "replay"):
-        if args.command == "verify" and (args.target or "").startswith("vllm=="):
+        if args.command == "verify" and is_vllm_target(args.target or ""):
             from kvoffload.upstream.check import check_release
 
-            return check_release(args.target, args.profile, args.seconds, args.install)
+            return check_release(
+                args.target,
+                args.profile,
+                args.seconds,
+                args.install,
+                args.expect,
+                args.seed,
+                args.json,
+            )
+        if args.command == "verify" and args.expect:
+            raise ConfigError("--expect applies to vLLM targets only")
         from kvoffload.testing import campaign
 
         if args.command == "verify":

@@ -34,6 +34,7 @@ from urllib.parse import urlparse
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from kvoffload.model.errors import ConfigError, SetupError
+from kvoffload.upstream.targets import is_vllm_target
 
 SEED_STRIDE = 1_000_000
 DEFAULT_DATABASE = ".hypothesis/examples"
@@ -130,9 +131,10 @@ def run_fuzz(
     from kvoffload.testing.adapters import adapters, default_adapter
 
     target = target or default_adapter()
-    python, environment, variant = sys.executable, dict(os.environ), None
-    if target.startswith("vllm=="):
-        python, environment, variant = _release_worker(target)
+    python, environment, variant, adapter = sys.executable, dict(os.environ), None, target
+    if is_vllm_target(target):
+        python, environment, variant = _vllm_worker(target)
+        adapter = "vllm"  # the adapter of every vLLM target, in the environment just made
     elif target not in adapters():
         raise ConfigError(f"unknown target {target!r}; known here: {sorted(adapters())}")
     database = database or DEFAULT_DATABASE
@@ -149,7 +151,7 @@ def run_fuzz(
         runs = []
         for k in range(workers):
             out = Path(folder) / f"worker-{k}.json"
-            spec = [target, profile_name, seconds, base + k * SEED_STRIDE, database, str(stop)]
+            spec = [adapter, profile_name, seconds, base + k * SEED_STRIDE, database, str(stop)]
             command = [python, "-m", "kvoffload.testing.fuzz", json.dumps([*spec, variant])]
             runs.append((k, out, subprocess.Popen([*command, str(out)], env=environment)))
         results, broken = [], []
@@ -181,16 +183,26 @@ def run_fuzz(
     return 1 if found else 0
 
 
-def _release_worker(target: str) -> tuple[str, dict[str, str], str]:
-    """The interpreter, environment and model variant of a vLLM release's workers."""
-    from kvoffload.upstream.install import Cache, default_cache, parse_target
-    from kvoffload.upstream.releases import release
+def _vllm_worker(spec: str) -> tuple[str, dict[str, str], str]:
+    """The interpreter, environment and model variant of a vLLM target's workers: a release
+    or a tree in the cache's interpreter, the current environment's vLLM in this one."""
+    from kvoffload.upstream.install import Cache, default_cache, run_variables, write_model
+    from kvoffload.upstream.targets import checks_for, parse
 
-    version = parse_target(target)
+    target = parse(spec)
+    row, _ = checks_for(target, "conform")
     cache = Cache(default_cache())
-    if not cache.installed(version):
-        raise ConfigError(f"{target} is not installed; run `kvoffload install {target}`")
-    return str(cache.python), cache.environment(version), release(version).model_variant
+    if target.kind == "current":
+        if target.version is None:
+            raise SetupError("no vLLM is installed in this environment (--target vllm)")
+        write_model(cache)
+        variables = run_variables(cache.model) | {"KVOFFLOAD_VLLM_VERSION": target.version}
+        return sys.executable, dict(os.environ) | variables, row.model_variant
+    version = target.version or "unknown"
+    ready = cache.installed(version) if target.kind == "release" else cache.ready()
+    if not ready:
+        raise ConfigError(f"{spec} cannot run: `kvoffload install vllm==X.Y.Z` first")
+    return str(cache.python), cache.environment(version, target.path), row.model_variant
 
 
 def main(argv: list[str]) -> int:

@@ -105,24 +105,65 @@ class Cache:
         return self.root / "releases" / version
 
     def installed(self, version: str) -> bool:
-        return all((p / ".ready").exists() for p in (self.env, self.model, self.release(version)))
+        return self.ready() and (self.release(version) / ".ready").exists()
 
-    def environment(self, version: str) -> dict[str, str]:
-        """Variables for running the cache's interpreter with release ``version`` and this
-        kvoffload importable."""
+    def ready(self) -> bool:
+        """The shared environment and the model config are there (what a tree needs)."""
+        return all((p / ".ready").exists() for p in (self.env, self.model))
+
+    def environment(self, version: str, source: Path | None = None) -> dict[str, str]:
+        """Variables for running the cache's interpreter with release ``version`` (or the
+        vLLM tree at ``source``, which says it is ``version``) and this kvoffload
+        importable."""
         package_root = Path(__file__).absolute().parents[2]  # the folder holding kvoffload/
-        return os.environ | {
-            "PYTHONPATH": os.pathsep.join([str(self.release(version)), str(package_root)]),
-            "HF_HUB_OFFLINE": "1",
-            "KVOFFLOAD_VLLM_MODEL": str(self.model),
-            "KVOFFLOAD_VLLM_VERSION": version,
-            # vLLM logs every config it builds at INFO: one per program drawn.
-            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
-        }
+        vllm_root = source if source is not None else self.release(version)
+        return (
+            os.environ
+            | {
+                "PYTHONPATH": os.pathsep.join([str(vllm_root), str(package_root)]),
+                "KVOFFLOAD_VLLM_VERSION": version,
+            }
+            | run_variables(self.model)
+        )
+
+
+def run_variables(model: Path) -> dict[str, str]:
+    """What vLLM's scheduler side needs to run here: the hand-written model config, no hub."""
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "KVOFFLOAD_VLLM_MODEL": str(model),
+        # vLLM logs every config it builds at INFO: one per program drawn.
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+    }
 
 
 def _pip(python: Path, *args: str) -> None:
     subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
+
+
+def install_environment(cache: Cache, log: bool = True) -> None:
+    """The shared environment and the model config, unless already there (what a vLLM tree
+    of ``--target vllm@PATH`` runs with)."""
+    if not (cache.env / ".ready").exists():
+        if log:
+            print(f"creating the shared environment in {cache.env}", file=sys.stderr)
+        subprocess.run([sys.executable, "-m", "venv", str(cache.env)], check=True)
+        _pip(cache.python, TORCH)
+        _pip(cache.python, *DEPENDENCIES)
+        # pulled in by xgrammar, a gigabyte, never imported by the scheduler side
+        subprocess.run(
+            [str(cache.python), "-m", "pip", "uninstall", "-q", "-y", "triton"], check=False
+        )
+        (cache.env / ".ready").touch()
+    write_model(cache)
+
+
+def write_model(cache: Cache) -> None:
+    """The hand-written model config vLLM's ``ModelConfig`` reads (no hub is reached)."""
+    if not (cache.model / ".ready").exists():
+        cache.model.mkdir(parents=True, exist_ok=True)
+        (cache.model / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
+        (cache.model / ".ready").touch()
 
 
 def install(version: str, cache: Cache | None = None, log: bool = True) -> Cache:
@@ -133,20 +174,7 @@ def install(version: str, cache: Cache | None = None, log: bool = True) -> Cache
         if log:
             print(message, file=sys.stderr)
 
-    if not (cache.env / ".ready").exists():
-        say(f"creating the shared environment in {cache.env}")
-        subprocess.run([sys.executable, "-m", "venv", str(cache.env)], check=True)
-        _pip(cache.python, TORCH)
-        _pip(cache.python, *DEPENDENCIES)
-        # pulled in by xgrammar, a gigabyte, never imported by the scheduler side
-        subprocess.run(
-            [str(cache.python), "-m", "pip", "uninstall", "-q", "-y", "triton"], check=False
-        )
-        (cache.env / ".ready").touch()
-    if not (cache.model / ".ready").exists():
-        cache.model.mkdir(parents=True, exist_ok=True)
-        (cache.model / "config.json").write_text(json.dumps(MODEL_CONFIG, indent=1))
-        (cache.model / ".ready").touch()
+    install_environment(cache, log)
     target = cache.release(version)
     if not (target / ".ready").exists():
         say(f"installing vllm=={version} into {target}")

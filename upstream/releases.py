@@ -9,6 +9,7 @@ written up in ``docs/upstream.md``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 
@@ -77,3 +78,33 @@ def release(version: str) -> Release:
     if found is not None:
         return found
     return Release(version, "not in the table", (Check("fixed", "conform", "the fixed model"),))
+
+
+def _numbers(version: str) -> tuple[int, ...] | None:
+    """``0.34.1.dev3+g1a2b`` -> ``(0, 34, 1)``; None for what is no version."""
+    match = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", version)
+    return tuple(int(n) for n in match.groups()) if match else None
+
+
+def governing_release(version: str | None) -> Release:
+    """The row a target of ``version`` is held to: its own, or that of the newest release in
+    the table before it (a branch past 0.34.0, ``0.34.1.dev3``, is held to 0.34.0's
+    expectations); a version before every row, or none, is held to the fixed model."""
+    if version is not None and version in RELEASES:
+        return RELEASES[version]
+    numbers = None if version is None else _numbers(version)
+    if numbers is not None:
+        # A pre-release (0.34.0.dev2, 0.34.0rc1) comes before its release, so it is held
+        # to the release before; the local part (+g1a2b) says nothing of that.
+        public = (version or "").split("+")[0]
+        dev = re.search(r"^v?\d+\.\d+\.\d+\.?(dev|rc|a|b)\d*", public) is not None
+        older = [
+            row
+            for v, row in RELEASES.items()
+            if (n := _numbers(v)) is not None and (n < numbers or (n == numbers and not dev))
+        ]
+        if older:
+            row = max(older, key=lambda r: _numbers(r.version) or ())
+            note = f"held to vllm=={row.version}'s checks, the newest release before {version}"
+            return Release(row.version, note, row.checks)
+    return release(version or "unknown")
