@@ -189,6 +189,24 @@ def build_parser() -> Parser:
     fuzz.add_argument(
         "--seed", type=seed, help="worker k runs from seed SEED + k * 1000000 (printed)"
     )
+    history = sub.add_parser(
+        "history",
+        help="the real bugs of vLLM's offload connector, found again release by release",
+        epilog=EXIT_CODES,
+    )
+    history.add_argument("--only", metavar="S1,S9", help="these bugs of the history only")
+    history.add_argument(
+        "--profile",
+        choices=["fast", "ci", "nightly"],
+        help="profile of each check (default: ci with CI set, else fast)",
+    )
+    history.add_argument("--seconds", type=seconds, help="run each check for this long")
+    history.add_argument(
+        "--install", action="store_true", help="install the releases that are absent"
+    )
+    history.add_argument(
+        "--write", type=output_file, metavar="FILE", help="also write the page (docs/history.md)"
+    )
     install = sub.add_parser("install", help="install a vLLM release into the cache folder")
     install.add_argument("target", help="the release, as vllm==X.Y.Z")
     return parser
@@ -259,6 +277,10 @@ def _run(args: argparse.Namespace) -> int:
         return run_fuzz(
             args.target, args.workers, args.seconds, args.database, args.profile, args.seed
         )
+    if args.command == "history":
+        from kvoffload.upstream.history import run_history
+
+        return run_history(args.only, args.profile, args.seconds, args.install, args.write)
     if args.command == "install":
         from kvoffload.upstream.install import install_command
 

@@ -227,3 +227,15 @@ class BlockPool:
         ):
             self.remove_cached_block_hashes(block)
         self.insert_block_hash(key, block, num_tokens=key.num_tokens)
+
+
+class AppendingBlockPool(BlockPool):
+    """vLLM's ``BlockPool`` before 0.24.0: ``free_blocks`` appends every block that becomes
+    free to the tail of the queue, in the order given, hashed or not (0.24.0 puts hashless
+    blocks at the head, to be reused first)."""
+
+    def free_blocks(self, ordered: Iterable[Block]) -> None:
+        for block in ordered:
+            block.ref_cnt -= 1
+            if block.ref_cnt == 0 and not block.is_null:
+                self.free_queue.append(block.block_id)

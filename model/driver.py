@@ -31,18 +31,18 @@ from kvoffload.model.validate import (
     require_new_request,
     require_tokens,
 )
-from kvoffload.model.variants import VARIANTS
+from kvoffload.model.variants import VARIANTS, is_variant, scheduler_class
 
 
 class OffloadModel:
     """The model of one engine with eager CPU offloading, driven call by call."""
 
     def __init__(self, config: OffloadConfig, variant: str = "fixed", check: bool = False) -> None:
-        if variant not in VARIANTS:
+        if not is_variant(variant):
             raise ConfigError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
         self.config = config
         self.variant = variant
-        self.engine = Engine(config, VARIANTS[variant])
+        self.engine = Engine(config, scheduler_class(variant))
         self.checked = check
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}

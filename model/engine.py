@@ -27,7 +27,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvoffload.model.block_pool import Block, BlockPool
+from kvoffload.model.block_pool import Block
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.keys import block_keys, extend_digests, fine_key
 from kvoffload.model.lookup import find_longest_cache_hit
@@ -108,7 +108,8 @@ class Engine:
         self, config: OffloadConfig, connector_cls: type[OffloadScheduler] = OffloadScheduler
     ) -> None:
         self.config = config
-        self.gpu_pool = BlockPool(config.gpu_blocks, "gpu")
+        # Both pools are of the release's kind (a variant may name an older BlockPool).
+        self.gpu_pool = connector_cls.pool_class(config.gpu_blocks, "gpu")
         self.connector = connector_cls(config, self.gpu_pool)
         self.requests: dict[str, Request] = {}
         self.waiting: list[str] = []

@@ -131,12 +131,14 @@ class ResetRecord:
 class OffloadScheduler:
     """Eager CPU offloading for one engine. Method names follow vLLM's."""
 
+    pool_class: type[BlockPool] = BlockPool  # the kind of both pools, GPU and CPU
+
     def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
         self.config = config
         self.block_size = config.scheduler_block_size
         self.hash_block_size = config.hash_block_size
         self.group_block_sizes = config.group_block_sizes
-        self.cpu_pool = BlockPool(config.cpu_blocks, "cpu")
+        self.cpu_pool = self.pool_class(config.cpu_blocks, "cpu")
         self.gpu_pool = gpu_pool
         self.expected_worker_count = config.world_size
 
@@ -189,9 +191,14 @@ class OffloadScheduler:
         blocks, hit = self._intact_hit(request.digests, num_computed_tokens, max_hit_len)
         if hit <= 0:
             return 0, False
-        self.cpu_pool.touch([b for group in blocks for b in group if not b.is_null])
-        self.pending_cpu_hits[request.request_id] = PendingHit(blocks, hit, num_computed_tokens)
+        self._pin_hit(request.request_id, PendingHit(blocks, hit, num_computed_tokens))
         return hit, True
+
+    def _pin_hit(self, request_id: str, hit: PendingHit) -> None:
+        """Pin a hit until the allocation takes it (PR #42289), so that no store
+        allocation in between evicts it."""
+        self.cpu_pool.touch([b for group in hit.blocks for b in group if not b.is_null])
+        self.pending_cpu_hits[request_id] = hit
 
     def _intact_hit(
         self, digests: list[str], num_computed_tokens: int, max_hit_len: int

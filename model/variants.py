@@ -18,21 +18,40 @@ breaks:
   ``bug-53498-no-final-flush``) and its selection loop, whose cursors also pass over blocks
   that need no store while the CPU pool is full (``SharedBudgetScheduler``).
 
+Older releases had more bugs, fixed before #53532 (``docs/history.md``):
+
+- ``no-hit-pins``: vLLM <= 0.21.0 (#39702, fixed by PR #42289 in 0.22.0): a CPU hit is not
+  pinned between the lookup and the allocation that takes it, and the allocation looks it
+  up again (asserting it is as long), so a store allocation in between can evict it.
+  Caught by REF-CPU and LOAD-PINNED.
+- ``step-dedup``: vLLM <= 0.21.0 (PR #41289, in 0.22.0): stores are deduplicated within a
+  step only, so a GPU block whose store is in flight is stored again by the next step's
+  scan. Caught by SKIP and IN-FLIGHT.
+- ``vllm-0.21``: vLLM 0.19.0 to 0.21.0 as they are: ``vllm-0.29`` with both.
+
 Later vLLM releases changed the semantics on purpose; their variants add those changes to
 the fixed model, so that a release is compared with what it means to do:
 
-- ``inclusive-cpu`` (vLLM 0.34.0, not 0.30.0): the CPU copy of a GPU prefix hit is
-  refreshed (moved to the most-recently-used end of the CPU free queue) when the request
-  is allocated, and ``reset()`` also releases the pins of CPU hits not yet allocated.
+- ``reset-releases-hits`` (vLLM 0.32.0): ``reset()`` also releases the pins of CPU hits not
+  yet allocated, which 0.30.0 and 0.31.0 keep until the request's next lookup.
+- ``inclusive-cpu`` (vLLM 0.34.0): that, and the CPU copy of a GPU prefix hit is refreshed
+  (moved to the most-recently-used end of the CPU free queue) when the request is allocated.
+
+A variant may also be a composition, ``A+B`` (each part a variant above): the history of
+bugs (``kvoffload history``) isolates one bug of a release with several by modelling the
+others this way.
 """
 
 from __future__ import annotations
 
-from kvoffload.model.block_pool import Block, BlockPool
+import functools
+
+from kvoffload.model.block_pool import AppendingBlockPool, Block, BlockPool
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.engine import Request
+from kvoffload.model.engine import Request, SchedulerOutput
 from kvoffload.model.lookup import find_longest_cache_hit
-from kvoffload.model.offload import OffloadScheduler, Transfer
+from kvoffload.model.offload import OffloadScheduler, PendingHit, Transfer
+from kvoffload.model.types import ConnectorMetadata
 
 
 class PhantomPrimaryScheduler(OffloadScheduler):
@@ -107,7 +126,72 @@ class NoFinalFlushScheduler(OffloadScheduler):
         return None
 
 
-class InclusiveCpuScheduler(OffloadScheduler):
+class NoHitPinsScheduler(OffloadScheduler):
+    """vLLM <= 0.21.0 (#39702, fixed by PR #42289): the lookup does not pin its CPU hit, and
+    ``update_state_after_alloc`` looks the hit up again from the request's local prefix,
+    asserting it is as long as the tokens the scheduler accepted (the engine crash of
+    #39702 when an eviction came in between)."""
+
+    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
+        super().__init__(config, gpu_pool)
+        self.hit_starts: dict[str, int] = {}
+
+    def _pin_hit(self, request_id: str, hit: PendingHit) -> None:
+        self.hit_starts[request_id] = hit.num_computed_tokens  # found, never pinned
+
+    def update_state_after_alloc(
+        self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
+    ) -> None:
+        start = self.hit_starts.pop(request.request_id, None)
+        if num_external_tokens and start is not None:
+            blocks, hit = find_longest_cache_hit(
+                self.cpu_pool, request.digests, start, num_external_tokens, self.config
+            )
+            assert hit == num_external_tokens, (
+                f"Expected {num_external_tokens} hit tokens, got {hit}"
+            )
+            # The load's own touch below is then the only pin, as in 0.21.0.
+            self.cpu_pool.touch([b for group in blocks for b in group if not b.is_null])
+            self.pending_cpu_hits[request.request_id] = PendingHit(blocks, hit, start)
+        super().update_state_after_alloc(request, block_ids, num_external_tokens)
+
+    def request_finished(self, request: Request) -> None:
+        self.hit_starts.pop(request.request_id, None)
+        super().request_finished(request)
+
+
+class StepDedupScheduler(OffloadScheduler):
+    """vLLM <= 0.21.0 (PR #41289): the scan skips blocks selected earlier in the same step
+    only (``gpu_blocks_this_step``): a block whose store from an earlier step is still in
+    flight is selected again, and copied twice."""
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        self.in_flight_store_gpu_blocks.clear()
+        meta = super().build_connector_meta(scheduler_output)
+        self.in_flight_store_gpu_blocks.clear()  # nothing outlives the step
+        return meta
+
+
+class AppendingPoolScheduler(OffloadScheduler):
+    """vLLM before 0.24.0: both pools free every block to the tail of their queue
+    (:class:`~kvoffload.model.block_pool.AppendingBlockPool`)."""
+
+    pool_class = AppendingBlockPool
+
+
+class ResetReleasesHitsScheduler(OffloadScheduler):
+    """vLLM 0.32.0 (bug S21 of ``docs/history.md``): ``reset()`` releases the pins of CPU
+    hits not yet allocated, so that the CPU cache can be cleared; 0.30.0 and 0.31.0 kept
+    them until the request's next lookup, and ``reset()`` could not succeed meanwhile."""
+
+    def reset(self) -> bool:
+        for pending in self.pending_cpu_hits.values():
+            self._free_pending_cpu_hit(pending)
+        self.pending_cpu_hits.clear()
+        return super().reset()
+
+
+class InclusiveCpuScheduler(ResetReleasesHitsScheduler):
     """vLLM 0.34.0: "eager CPU is inclusive". A GPU prefix hit also has a CPU copy (eager
     stores put every computed block there), which the eager scan then skips; so that this
     copy is not evicted first, the lookup remembers the local prefix and the allocation
@@ -144,28 +228,51 @@ class InclusiveCpuScheduler(OffloadScheduler):
         super().request_finished(request)
 
     def reset(self) -> bool:
-        for pending in self.pending_cpu_hits.values():
-            self._free_pending_cpu_hit(pending)
-        self.pending_cpu_hits.clear()
         self.pending_local_hits.clear()
         return super().reset()
 
 
+_VLLM_029 = (PrimaryOnlyScheduler, NoFinalFlushScheduler, SharedBudgetScheduler)
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
     "bug-53498-phantom-primary": PhantomPrimaryScheduler,
     "bug-53498-no-final-flush": NoFinalFlushScheduler,
     "bug-53498-primary-only": PrimaryOnlyScheduler,
-    "vllm-0.29": type(
-        "Vllm029Scheduler",
-        (PrimaryOnlyScheduler, NoFinalFlushScheduler, SharedBudgetScheduler),
+    "vllm-0.29": type("Vllm029Scheduler", _VLLM_029, {}),
+    "no-hit-pins": NoHitPinsScheduler,
+    "step-dedup": StepDedupScheduler,
+    "vllm-0.23": type("Vllm023Scheduler", (*_VLLM_029, AppendingPoolScheduler), {}),
+    "vllm-0.21": type(
+        "Vllm021Scheduler",
+        (NoHitPinsScheduler, StepDedupScheduler, *_VLLM_029, AppendingPoolScheduler),
         {},
     ),
+    "selection-0.29": SharedBudgetScheduler,
+    "pool-0.23": AppendingPoolScheduler,
+    "reset-releases-hits": ResetReleasesHitsScheduler,
     "inclusive-cpu": InclusiveCpuScheduler,
 }
+# The variants that change what vLLM means to do; every other one models a bug.
+INTENDED = ("fixed", "reset-releases-hits", "inclusive-cpu", "selection-0.29", "pool-0.23")
+
+
+def is_variant(variant: str) -> bool:
+    """A variant of :data:`VARIANTS`, or a composition ``A+B`` of them."""
+    return isinstance(variant, str) and all(p in VARIANTS for p in variant.split("+"))
+
+
+@functools.cache
+def scheduler_class(variant: str) -> type[OffloadScheduler]:
+    """The scheduler of ``variant``; a composition ``A+B`` has the behaviours of both."""
+    parts = variant.split("+")
+    if len(parts) == 1:
+        return VARIANTS[variant]
+    # The fixed model is every variant's base: as a part it adds nothing.
+    classes = [VARIANTS[p] for p in parts if VARIANTS[p] is not OffloadScheduler]
+    return type(variant, tuple(dict.fromkeys(classes)) or (OffloadScheduler,), {})
 
 
 def keeps_invariants(variant: str) -> bool:
     """Whether ``variant`` keeps every invariant: the fixed model and later releases' changes
-    do; a variant with a bug of #53498 breaks one by design."""
-    return variant in ("fixed", "inclusive-cpu")
+    do; a variant with a bug breaks one by design."""
+    return all(p in INTENDED for p in variant.split("+"))

@@ -84,6 +84,16 @@ def unsupported(adapter_name: str, config: OffloadConfig) -> str | None:
     return supported(config)
 
 
+def takes_reset(adapter_name: str) -> bool:
+    """Whether ``adapter_name``'s target has ``reset()``: vLLM's offload code before 0.24.0
+    has none, so the machine does not draw it there."""
+    if adapter_name != "vllm":
+        return True
+    from kvoffload.upstream.vllm_world import takes_reset as vllm_takes_reset
+
+    return vllm_takes_reset()
+
+
 def expected_variant(adapter_name: str) -> str:
     """The model variant ``adapter_name`` is compared with: the fixed model, or for vLLM the
     variant of the running release (``kvoffload.upstream.releases``)."""

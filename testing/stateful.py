@@ -32,6 +32,7 @@ from kvoffload.testing.adapters import (
     Target,
     adapters,
     expected_variant,
+    takes_reset,
     unsupported,
 )
 from kvoffload.testing.failure import Failure, validate
@@ -93,6 +94,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     adapter_name: ClassVar[str] = "impl"
     variant: ClassVar[str] = "fixed"  # the model variant the target is compared with
     injects: ClassVar[bool] = True  # the target takes injected faults
+    resets: ClassVar[bool] = True  # the target has reset() (vLLM's offload code from 0.24.0)
     adapter: ClassVar[Adapter]
     recorder: ClassVar[Recorder] = Recorder()
 
@@ -256,6 +258,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             tokens = data.draw(st.sampled_from(self.prompts))
         self.run(("lookup", tokens), "lookup")
 
+    @precondition(lambda self: self.resets)
     @rule()
     def reset(self) -> None:
         self.run(("reset",), "reset")
@@ -394,6 +397,7 @@ def machine_for(
             "recorder": recorder or Recorder(),
             "variant": compared_with,
             "injects": adapter_name != "vllm",
+            "resets": takes_reset(adapter_name),
         },
     )
 

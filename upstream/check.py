@@ -51,9 +51,9 @@ def check_release(
     print(f"{parsed.label}: {row.note}", flush=True)
     args = (checks, profile_name, seconds, seed)
     if parsed.kind == "current":
-        results = _run_here(parsed, *args)
+        results = run_here(parsed, *args)
     else:
-        results = _run_in_cache(parsed, install_first, *args)
+        results = run_in_cache(parsed, install_first, *args)
     failed = 0
     verdicts = []
     for check, result in zip(checks, results, strict=True):
@@ -75,7 +75,7 @@ def check_release(
     return status
 
 
-def _run_in_cache(
+def run_in_cache(
     target: VllmTarget,
     install_first: bool,
     checks: tuple[Check, ...],
@@ -116,7 +116,7 @@ def _run_in_cache(
     return results
 
 
-def _run_here(
+def run_here(
     target: VllmTarget,
     checks: tuple[Check, ...],
     profile_name: str | None,

@@ -8,9 +8,10 @@ Layout of the cache (``$KVOFFLOAD_VLLM_CACHE``, default ``~/.cache/kvoffload/vll
 - ``model/``: a hand-written ``config.json`` of a small public architecture, since vLLM's
   ``ModelConfig`` wants a model and the hub is not reached (``HF_HUB_OFFLINE=1``).
 
-Each part is complete once its ``.ready`` stamp exists; a present part is reused. Invariant:
-a stamp is written only after the step it stands for has succeeded, so an interrupted
-install is redone, never trusted.
+Each part is complete once its ``.ready`` stamp exists; a present part is reused (the
+environment's stamp lists the dependencies it has: a longer list is installed over it).
+Invariant: a stamp is written only after the step it stands for has succeeded, so an
+interrupted install is redone, never trusted.
 """
 
 from __future__ import annotations
@@ -55,6 +56,9 @@ DEPENDENCIES = [
     "openai",
     "fastapi",
     "partial_json_parser",
+    # imported by 0.19.0 to 0.22.1 (gguf) and 0.19.x (diskcache) only, harmless later
+    "gguf",
+    "diskcache",
 ]
 # OPT-125m's shape: vLLM's scheduler only reads max_model_len from the model config.
 MODEL_CONFIG = {
@@ -144,17 +148,22 @@ def _pip(python: Path, *args: str) -> None:
 def install_environment(cache: Cache, log: bool = True) -> None:
     """The shared environment and the model config, unless already there (what a vLLM tree
     of ``--target vllm@PATH`` runs with)."""
-    if not (cache.env / ".ready").exists():
+    stamp = cache.env / ".ready"
+    wanted = "\n".join([TORCH, *DEPENDENCIES])
+    if not stamp.exists():
         if log:
             print(f"creating the shared environment in {cache.env}", file=sys.stderr)
         subprocess.run([sys.executable, "-m", "venv", str(cache.env)], check=True)
         _pip(cache.python, TORCH)
+    if not stamp.exists() or stamp.read_text() != wanted:
+        # New or changed dependencies (an older release needs one more): installing the
+        # list again adds what is missing and keeps what is there.
         _pip(cache.python, *DEPENDENCIES)
         # pulled in by xgrammar, a gigabyte, never imported by the scheduler side
         subprocess.run(
             [str(cache.python), "-m", "pip", "uninstall", "-q", "-y", "triton"], check=False
         )
-        (cache.env / ".ready").touch()
+        stamp.write_text(wanted)
     write_model(cache)
 
 

@@ -20,6 +20,7 @@ from kvoffload.model.engine import RequestStatus
 from kvoffload.model.errors import (
     InvalidArgumentError,
 )
+from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import (
     BlockView,
     LoadView,
@@ -40,7 +41,7 @@ from kvoffload.model.validate import (
 )
 from kvoffload.upstream.engine import VllmEngine
 from kvoffload.upstream.keymap import KeyMap
-from kvoffload.upstream.vllm_world import build, cached_entries, queued_final_flushes
+from kvoffload.upstream.vllm_world import build, cached_entries, queued_final_flushes, state
 
 
 class VllmOffload:
@@ -130,18 +131,22 @@ class VllmOffload:
 # -- vLLM's state as a snapshot ---------------------------------------------------------------
 
 
-def pool_view(pool: Any, keys: KeyMap) -> PoolView:
+def pool_view(pool: Any, keys: KeyMap, stamped_without_count: bool) -> PoolView:
+    """A pool as the model's snapshot has it. ``stamped_without_count``: the pool's keys
+    are set without their token count when the release keeps none (the CPU pool before
+    PR #53532)."""
+    # Secondary keys (partial and fine-grained) came with 0.24.0; none before.
+    secondary = state(pool, "cached_block_hashes_by_block", {})
     blocks = tuple(
         BlockView(
             b.block_id,
             b.ref_cnt,
-            keys.model_key(b.block_hash),
-            b.block_hash_num_tokens,
-            tuple(
-                sorted(keys.key(k) for k in pool.cached_block_hashes_by_block.get(b.block_id, ()))
-            ),
+            key,
+            _token_count(b, key, stamped_without_count),
+            tuple(sorted(keys.key(k) for k in secondary.get(b.block_id, ()))),
         )
         for b in pool.blocks
+        for key in [keys.model_key(b.block_hash)]
     )
     cached = [(keys.key(vllm_key), ids) for vllm_key, ids in cached_entries(pool)]
     return PoolView(
@@ -149,6 +154,17 @@ def pool_view(pool: Any, keys: KeyMap) -> PoolView:
         free_queue=tuple(b.block_id for b in pool.free_block_queue.get_all_free_blocks()),
         cached=tuple(sorted(cached)),
     )
+
+
+def _token_count(block: Any, key: BlockKey | None, stamped_without_count: bool) -> int | None:
+    """The tokens a block's primary key covers. Releases before the count was kept
+    (``block_hash_num_tokens``, before 0.24.0) imply it: the key's own count where vLLM
+    sets the key with ``set_block_hash`` (the GPU pool), none where it stamps the key
+    directly (the CPU pool of those releases)."""
+    if hasattr(block, "block_hash_num_tokens"):
+        count: int | None = block.block_hash_num_tokens
+        return count
+    return None if key is None or stamped_without_count else key.num_tokens
 
 
 def _transfer(event: int | None, transfer: Any) -> TransferView:
@@ -165,8 +181,8 @@ def take_snapshot(engine: VllmEngine) -> Snapshot:
     m = engine.world.scheduler
     keys = engine.keys
     return Snapshot(
-        gpu=pool_view(engine.world.gpu_pool, keys),
-        cpu=pool_view(m.cpu_block_pool, keys),
+        gpu=pool_view(engine.world.gpu_pool, keys, stamped_without_count=False),
+        cpu=pool_view(m.cpu_block_pool, keys, stamped_without_count=True),
         requests=tuple(
             RequestView(
                 req_id,
@@ -191,18 +207,22 @@ def take_snapshot(engine: VllmEngine) -> Snapshot:
         pending_flushes=tuple(_transfer(None, t) for t in queued_final_flushes(m)),
         store_events=tuple(_transfer(e, t) for e, t in sorted(m._store_event_to_blocks.items())),
         abandoned_store_events=tuple(
-            _transfer(e, t) for e, t in sorted(m._abandoned_store_event_to_blocks.items())
+            _transfer(e, t)
+            for e, t in sorted(state(m, "_abandoned_store_event_to_blocks", {}).items())
         ),
         store_event_pending_counts=tuple(sorted(m._store_event_pending_counts.items())),
         store_event_requests=tuple(
             (e, tuple(reqs)) for e, reqs in sorted(m._store_event_to_reqs.items())
         ),
-        in_flight_gpu_blocks=tuple(sorted(m._in_flight_store_gpu_blocks)),
+        # Before PR #41289 (0.22.0) deduplication lived for one step: nothing in between.
+        in_flight_gpu_blocks=tuple(sorted(state(m, "_in_flight_store_gpu_blocks", ()))),
         loads=tuple(_load(s) for _, s in sorted(m._reqs_to_load.items())),
-        abandoned_loads=tuple(_load(s) for _, s in sorted(m._abandoned_reqs_to_load.items())),
+        abandoned_loads=tuple(
+            _load(s) for _, s in sorted(state(m, "_abandoned_reqs_to_load", {}).items())
+        ),
         pending_hits=tuple(
             (req_id, tuple(b.block_id for g in hit[0] for b in g), hit[1])
-            for req_id, hit in sorted(m._pending_cpu_hits.items())
+            for req_id, hit in sorted(state(m, "_pending_cpu_hits", {}).items())
         ),
         load_event_to_reqs=tuple(
             (e, tuple(reqs)) for e, reqs in sorted(m._load_event_to_reqs.items())

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.model.errors import ConfigError
-from kvoffload.model.variants import VARIANTS
+from kvoffload.model.variants import VARIANTS, is_variant
 from kvoffload.upstream.install import parse_target
 from kvoffload.upstream.releases import Check, Release, governing_release
 
@@ -105,7 +105,7 @@ def checks_for(target: VllmTarget, expect: str | None) -> tuple[Release, tuple[C
         return row, row.checks
     if expect == "conform":
         return row, tuple(c for c in row.checks if c.expect == "conform")
-    if expect not in VARIANTS:
+    if not is_variant(expect):
         raise ConfigError(
             f"--expect {expect!r} is neither 'conform' nor a model variant; known: "
             f"{sorted(VARIANTS)}"

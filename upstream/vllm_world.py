@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -50,13 +51,37 @@ class World:
     block_hasher: Any
 
 
+def version_numbers() -> tuple[int, int, int]:
+    """The running vLLM's release as numbers (a tree's ``dev`` version counts as 0.0.0)."""
+    found = re.match(r"(\d+)\.(\d+)\.(\d+)", version())
+    return (0, 0, 0) if found is None else (int(found[1]), int(found[2]), int(found[3]))
+
+
 def supported(config: OffloadConfig) -> str | None:
     """Why vLLM rejects ``config``, or None. One group must hash whole blocks (vLLM's
     ``UnitaryKVCacheCoordinator`` asserts ``hash_block_size == block_size``)."""
     sizes = config.group_block_sizes
     if len(sizes) == 1 and config.hash_block_size != sizes[0]:
         return "a single KV group needs hash blocks of its block size"
+    if (0, 0, 0) < version_numbers() < (0, 24, 0) and set(sizes) != {config.hash_block_size}:
+        # Before PR #42296 (0.22.0) the offload scheduler hashed in blocks of the cache
+        # config's block size, which its coordinator asserts every group divides; before
+        # 0.24.0 no block held a key of a prefix shorter than itself (cache_partial_block).
+        return "before vLLM 0.24.0 every group's block size is the hash block size"
     return None
+
+
+def takes_reset() -> bool:
+    """Whether the offload scheduler has ``reset()`` (PR #39726, vLLM 0.24.0 on)."""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    return hasattr(SimpleCPUOffloadScheduler, "reset")
+
+
+def state(manager: Any, name: str, default: Any) -> Any:
+    """A field of the manager, or what its absence means in the releases before it (no
+    abandoned transfers before reset existed, no pins before PR #42289, ...)."""
+    return getattr(manager, name, default)
 
 
 def build(config: OffloadConfig) -> World:
@@ -136,20 +161,28 @@ def build(config: OffloadConfig) -> World:
         )
     )
     gpu_pool = BlockPool(config.gpu_blocks, True, config.hash_block_size)
-    scheduler = SimpleCPUOffloadScheduler(
-        **keywords(
-            SimpleCPUOffloadScheduler,
-            vllm_config=vllm_config,
-            kv_cache_config=kv_cache_config,
-            # 0.29.0 sizes the CPU pool as gpu_blocks * capacity // (the first tensor's
-            # size), which is cpu_blocks; 0.34.0 takes num_cpu_blocks and checks it fits.
-            cpu_capacity_bytes=page * config.cpu_blocks,
-            num_cpu_blocks=config.cpu_blocks,
-            scheduler_block_size=config.scheduler_block_size,
-            hash_block_size=config.hash_block_size,
-            lazy_offload=False,
+
+    def scheduler_with(capacity: int) -> Any:
+        return SimpleCPUOffloadScheduler(
+            **keywords(
+                SimpleCPUOffloadScheduler,
+                vllm_config=vllm_config,
+                kv_cache_config=kv_cache_config,
+                cpu_capacity_bytes=capacity,
+                num_cpu_blocks=config.cpu_blocks,
+                scheduler_block_size=config.scheduler_block_size,
+                hash_block_size=config.hash_block_size,
+                lazy_offload=False,
+            )
         )
-    )
+
+    # 0.24.0 to 0.32.0 size the CPU pool as gpu_blocks * capacity // (the first tensor's
+    # size), which is cpu_blocks; 0.33.0 on take num_cpu_blocks and check it fits; up to
+    # 0.23.0 the divisor is the sum of every tensor's size, one per group here.
+    scheduler = scheduler_with(page * config.cpu_blocks)
+    if scheduler.num_cpu_blocks != config.cpu_blocks:
+        scheduler = scheduler_with(page * config.cpu_blocks * len(tensors))
+    assert scheduler.num_cpu_blocks == config.cpu_blocks, "the CPU pool is not the size asked"
     scheduler.bind_gpu_block_pool(gpu_pool)
     # The manager counts store reports up to the world size it read from the parallel
     # config; a world of several workers needs no devices on the scheduler side.
@@ -181,7 +214,7 @@ def cached_entries(pool: Any) -> list[tuple[bytes, tuple[int, ...]]]:
 
 def queued_final_flushes(manager: Any) -> list[Any]:
     """The manager's queue of final flushes; 0.29.0 has none (it has no final flush)."""
-    return list(getattr(manager, "_pending_finished_stores", []))
+    return list(state(manager, "_pending_finished_stores", []))
 
 
 def describe(world: World) -> dict[str, Any]:
