@@ -9,7 +9,7 @@ import pytest
 
 import kvoffload
 from kvoffload.model.errors import ConfigError
-from kvoffload.upstream.install import Cache, install, parse_target
+from kvoffload.upstream.install import Cache, environment_stamp, install, parse_target
 
 
 def test_a_target_names_one_release() -> None:
@@ -22,7 +22,8 @@ def test_a_target_names_one_release() -> None:
 def _stamp(*folders: Path) -> None:
     for folder in folders:
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / ".ready").touch()
+        # the environment's stamp lists its packages; the others are empty
+        (folder / ".ready").write_text(environment_stamp() if folder.name == "env" else "")
 
 
 def test_an_installed_release_is_reused(tmp_path: Path) -> None:
@@ -32,6 +33,24 @@ def test_an_installed_release_is_reused(tmp_path: Path) -> None:
     assert cache.installed("0.34.0") and not cache.installed("0.29.0")
     # every part is stamped: nothing runs (no interpreter, no network is touched)
     assert install("0.34.0", cache, log=False) == cache
+
+
+def test_an_environment_missing_a_dependency_is_installed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cache = Cache(tmp_path)
+    _stamp(cache.env, cache.model, cache.release("0.21.0"))
+    # stamped before gguf was a dependency (0.19.0 to 0.22.1 import it)
+    older = environment_stamp().replace("\ngguf", "")
+    (cache.env / ".ready").write_text(older)
+    installed: list[tuple[str, ...]] = []
+    monkeypatch.setattr(
+        "kvoffload.upstream.install._pip", lambda python, *args: installed.append(args)
+    )
+    monkeypatch.setattr("kvoffload.upstream.install.subprocess.run", lambda *a, **k: None)
+    install("0.21.0", cache, log=False)
+    assert len(installed) == 1 and "gguf" in installed[0]  # the list again, nothing else
+    assert (cache.env / ".ready").read_text() == environment_stamp()
 
 
 def test_an_unstamped_part_is_not_trusted(tmp_path: Path) -> None:

@@ -136,8 +136,9 @@ def run_variables(model: Path) -> dict[str, str]:
     return {
         "HF_HUB_OFFLINE": "1",
         "KVOFFLOAD_VLLM_MODEL": str(model),
-        # vLLM logs every config it builds at INFO: one per program drawn.
-        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        # vLLM logs every config it builds, one per program drawn: at INFO, and up to 0.23.0
+        # at WARNING too (the hybrid KV cache manager turned off for a connector).
+        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
     }
 
 
@@ -145,11 +146,16 @@ def _pip(python: Path, *args: str) -> None:
     subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
 
 
+def environment_stamp() -> str:
+    """What the shared environment's stamp says once it is complete: its packages."""
+    return "\n".join([TORCH, *DEPENDENCIES])
+
+
 def install_environment(cache: Cache, log: bool = True) -> None:
     """The shared environment and the model config, unless already there (what a vLLM tree
     of ``--target vllm@PATH`` runs with)."""
     stamp = cache.env / ".ready"
-    wanted = "\n".join([TORCH, *DEPENDENCIES])
+    wanted = environment_stamp()
     if not stamp.exists():
         if log:
             print(f"creating the shared environment in {cache.env}", file=sys.stderr)
