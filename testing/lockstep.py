@@ -93,19 +93,27 @@ def target_outcome(target: Target, call: Call) -> object:
 def compare(model: OffloadModel, impl: Target, call: Call, n: int) -> str | None:
     """Apply ``call`` to both; describe the first difference, or None."""
     expected, actual = outcome(model, call), target_outcome(impl, call)
+    results = None
     if expected != actual:
-        return f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
+        results = f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
     mine = model.snapshot()
     try:
         theirs = impl.snapshot()
     except Exception as error:
-        return f"call {n} {call}: the implementation's snapshot raised {as_outcome(error)}"
+        return (results or f"call {n} {call}") + (
+            f": the implementation's snapshot raised {as_outcome(error)}"
+        )
     if mine != theirs:
         fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
         details = "; ".join(
             describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
         )
-        return f"call {n} {call}: snapshots differ in {fields}: {details}"
+        # With the results, what the state says: the cause is often there (a pin missing)
+        # while the result shows only its effect (a request scheduled otherwise).
+        head = f"{results}; snapshots" if results else f"call {n} {call}: snapshots"
+        return f"{head} differ in {fields}: {details}"
+    if results:
+        return results
     # A target without KV bytes (vLLM's scheduler side) is compared on the above alone.
     try:
         # A block damaged on purpose holds the wrong bytes until a lookup finds it out.

@@ -57,6 +57,7 @@ PROMPTS = st.one_of(
 # last blocks, and they go out in the final flush.
 MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 6))
 SETTLE_ROUNDS = 8  # requests that deadlock on a full pool (no preemption) stop it
+HOLD_OUTPUTS = 4  # a filler held by ``evict`` decodes this long: it keeps its blocks
 BUDGETS = st.integers(0, 24)
 SETTLE_BUDGETS = st.integers(8, 32)  # enough for a prompt and its outputs in a few rounds
 # Tiny pools, so that eviction, failed allocation and the CPU capacity limit happen.
@@ -353,23 +354,43 @@ class LoadingConformanceMachine(ConformanceMachine):
     # end and evicts the least recently used GPU blocks; then, unless ``recall`` is False, an
     # earlier prompt comes back and loads from the CPU, its load left in flight for the other
     # rules. The filler is not an earlier prompt for the other rules: its blocks are the
-    # ones left on the GPU.
+    # ones left on the GPU. With ``hold`` the filler is still decoding when the earlier
+    # prompt comes back: its CPU hit is pinned and its allocation fails for want of GPU
+    # blocks, the state in which a hit's pin must survive store allocations (vLLM #39702)
+    # and a reset must release it (S21 of docs/history.md).
     @precondition(lambda self: bool(self.prompts) and not self.model.live_requests())
-    @rule(data=st.data(), budget=SETTLE_BUDGETS, recall=st.booleans())
-    def evict(self, data: st.DataObject, budget: int, recall: bool) -> None:
+    @rule(data=st.data(), budget=SETTLE_BUDGETS, recall=st.booleans(), hold=st.booleans())
+    def evict(self, data: st.DataObject, budget: int, recall: bool, hold: bool) -> None:
         self.fillers += 1
-        longest = max(n for n in range(1, 65) if self.fits([0] * n, 1))
+        outputs = HOLD_OUTPUTS if hold else 1
+        longest = max(n for n in range(1, 65) if self.fits([0] * n, outputs))
         # The whole pool evicts every earlier prompt; less leaves a GPU prefix hit in front
         # of the CPU hit (a local and an external range in one request).
         length = data.draw(st.one_of(st.just(longest), st.integers(1, longest)))
         # Token ids from 7 up appear in no other prompt and in no decoded output.
         filler = [6 + self.fillers] + [(self.fillers + i) % 7 for i in range(length - 1)]
-        self.admit(filler, 1, "evict", remember=False)
-        self.settle_rounds(budget, "evict")
+        self.admit(filler, outputs, "evict", remember=False)
+        if hold:
+            self.run_until_computed(f"r{self.next_id - 1}", len(filler), budget)
+        else:
+            self.settle_rounds(budget, "evict")
         if recall:
             earlier = data.draw(st.sampled_from(self.prompts))
             tail, max_tokens = data.draw(TAILS), data.draw(MAX_TOKENS)
             self.admit(earlier + tail, max_tokens, "evict", continued=True)
+            self.run(("step", budget), "evict", continued=True)
+            # An operator's reset while that request waits with its hit pinned: reset()
+            # must let the pin go, or the CPU cache cannot be cleared (S21).
+            if hold and self.resets and data.draw(st.booleans()):
+                self.run(("reset",), "evict", continued=True)
+
+    def run_until_computed(self, request_id: str, tokens: int, budget: int) -> None:
+        """Steps until ``request_id`` has computed ``tokens`` (its prompt), at most
+        ``SETTLE_ROUNDS``; its blocks stay held."""
+        for _ in range(SETTLE_ROUNDS):
+            request = self.model.engine.requests.get(request_id)
+            if request is None or request.num_computed_tokens >= tokens:
+                return
             self.run(("step", budget), "evict", continued=True)
 
 

@@ -33,9 +33,32 @@ class Release:
         return next(c.variant for c in self.checks if c.expect == "conform")
 
 
+def _conforming(versions: list[str], variant: str, note: str, why: str) -> list[Release]:
+    """Releases that conform to ``variant``, one row each."""
+    return [Release(v, note, (Check(variant, "conform", why),)) for v in versions]
+
+
 RELEASES = {
     r.version: r
     for r in [
+        *_conforming(
+            ["0.19.0", "0.19.1", "0.20.0", "0.20.1", "0.20.2", "0.21.0"],
+            "vllm-0.21",
+            "before PRs #42289 and #41289: CPU hits unpinned, stores deduplicated per step",
+            "vLLM 0.29.0's model with both bugs (S1, S2) and the pool of 0.23.0",
+        ),
+        *_conforming(
+            ["0.22.0", "0.22.1", "0.23.0"],
+            "vllm-0.23",
+            "pins and cross-step deduplication; no reset() yet; free_blocks appends all",
+            "vLLM 0.29.0's model with the pool of 0.23.0",
+        ),
+        *_conforming(
+            ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"],
+            "vllm-0.29",
+            "reset() (PR #39726) and the pool of 0.29.0; both bugs of #53498",
+            "both bugs of #53498 modelled",
+        ),
         Release(
             "0.29.0",
             "the last release without PR #53532 (vLLM issue #53498)",
@@ -51,10 +74,14 @@ RELEASES = {
                 Check("vllm-0.29", "conform", "both bugs of #53498 modelled"),
             ),
         ),
-        Release(
-            "0.30.0",
-            "the first release with PR #53532",
-            (Check("fixed", "conform", "the fixed model"),),
+        *_conforming(
+            ["0.30.0", "0.31.0"], "fixed", "PR #53532 (0.30.0 is the first)", "the fixed model"
+        ),
+        *_conforming(
+            ["0.32.0", "0.33.0"],
+            "reset-releases-hits",
+            "reset() releases the pins of CPU hits not yet allocated (S21)",
+            "the fixed model with 0.32's reset of lookup pins",
         ),
         Release(
             "0.34.0",
