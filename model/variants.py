@@ -22,11 +22,12 @@ Older releases had more bugs, fixed before #53532 (``docs/history.md``):
 
 - ``no-hit-pins``: vLLM <= 0.21.0 (#39702, fixed by PR #42289 in 0.22.0): a CPU hit is not
   pinned between the lookup and the allocation that takes it, and the allocation looks it
-  up again (asserting it is as long), so a store allocation in between can evict it.
-  Caught by REF-CPU and LOAD-PINNED.
+  up again (asserting it is as long), so a store allocation in between can evict it. No
+  state invariant demands the pin: the machine finds it as a difference (S1 of
+  ``docs/history.md``).
 - ``step-dedup``: vLLM <= 0.21.0 (PR #41289, in 0.22.0): stores are deduplicated within a
   step only, so a GPU block whose store is in flight is stored again by the next step's
-  scan. Caught by SKIP and IN-FLIGHT.
+  scan. Caught by IN-FLIGHT (nothing is in flight between steps).
 - ``vllm-0.21``: vLLM 0.19.0 to 0.21.0 as they are: ``vllm-0.29`` with both.
 
 Later vLLM releases changed the semantics on purpose; their variants add those changes to
