@@ -57,25 +57,24 @@ def seconds(text: str) -> float:
     return value
 
 
-def count(text: str) -> int:
-    """A whole number >= 1."""
+def _whole(text: str, minimum: int) -> int:
     try:
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    if value < minimum:
+        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
     return value
+
+
+def count(text: str) -> int:
+    """A whole number >= 1 (workers)."""
+    return _whole(text, 1)
 
 
 def seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"a seed is >= 0, got {value}")
-    return value
+    """A whole number >= 0 (a seed)."""
+    return _whole(text, 0)
 
 
 def output_file(text: str) -> str:

@@ -244,13 +244,17 @@ def _check_adapter(adapter: object) -> str:
     return adapter
 
 
+def _check_fields(data: dict[str, Any], allowed: set[str], required: list[str], what: str) -> None:
+    extra = sorted(set(data) - allowed)
+    _expect(not extra, f"{what}unknown fields {extra}")
+    missing = [name for name in required if name not in data]
+    _expect(not missing, f"{what}missing fields {missing}")
+
+
 def _check_config(config: object) -> OffloadConfig:
     _expect(isinstance(config, dict), f"config must be an object, got {config!r}")
     assert isinstance(config, dict)
-    extra = sorted(set(config) - {*CONFIG_FIELDS, "scheduler_block_size"})
-    _expect(not extra, f"config has unknown fields {extra}")
-    missing = [name for name in CONFIG_FIELDS if name not in config]
-    _expect(not missing, f"config lacks {missing}")
+    _check_fields(config, {*CONFIG_FIELDS, "scheduler_block_size"}, list(CONFIG_FIELDS), "config: ")
     sizes = config["group_block_sizes"]
     _expect(
         isinstance(sizes, list) and all(_is_int(s) for s in sizes),
@@ -284,10 +288,7 @@ def validate(data: object) -> Failure:
     assert isinstance(data, dict)
     known = {"format", "adapter", "variant", "release", "seed", "config", "program"}
     known |= {"rule_steps", "disagreement"}
-    extra = sorted(set(data) - known)
-    _expect(not extra, f"unknown fields {extra}")
-    missing = [f for f in ("adapter", "config", "program", "disagreement") if f not in data]
-    _expect(not missing, f"missing fields {missing}")
+    _check_fields(data, known, ["adapter", "config", "program", "disagreement"], "")
     _expect(data.get("format", FORMAT) == FORMAT, f"format {data.get('format')!r} is not 1")
     adapter = _check_adapter(data["adapter"])
     variant = data.get("variant", "fixed")

@@ -122,7 +122,7 @@ def _bad_shapes() -> list[tuple[str, dict[str, Any], str]]:
             _failure(config=config | {"group_block_sizes": [6]}),
             "does not divide",
         ),
-        ("config lacking a field", _failure(config={"gpu_blocks": 4}), "config lacks"),
+        ("config lacking a field", _failure(config={"gpu_blocks": 4}), "config: missing fields"),
         ("bool as int", _failure(config=config | {"world_size": True}), "must be an int"),
         ("empty program", _failure(program=[]), "program is empty"),
         ("unknown call", _failure(program=[["explode"]]), "unknown call 'explode'"),
