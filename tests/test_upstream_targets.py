@@ -58,7 +58,8 @@ def test_a_version_is_held_to_its_row_or_the_newest_release_before_it() -> None:
     assert governing_release("0.34.0").model_variant == "inclusive-cpu"
     assert governing_release("0.34.1.dev3+g1a2b").version == "0.34.0"
     assert governing_release("0.34.0+g1a2b").version == "0.34.0"
-    assert governing_release("0.34.0rc1").version == "0.30.0"  # before 0.34.0
+    assert governing_release("0.34.0rc1").version == "0.33.0"  # before 0.34.0
+    assert governing_release("0.35.0").model_variant == "inclusive-cpu"
     assert governing_release("0.29.7").model_variant == "vllm-0.29"
     assert governing_release(None).model_variant == "fixed"
 
