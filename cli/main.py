@@ -197,9 +197,14 @@ def build_parser() -> Parser:
     history.add_argument(
         "--profile",
         choices=["fast", "ci", "nightly"],
-        help="profile of each check (default: ci with CI set, else fast)",
+        help="profile of each check (default: ci, derandomized, so that the figures repeat)",
     )
     history.add_argument("--seconds", type=seconds, help="run each check for this long")
+    history.add_argument(
+        "--releases",
+        action="store_true",
+        help="also hold every release from 0.19.0 to 0.34.0 to its own checks",
+    )
     history.add_argument(
         "--install", action="store_true", help="install the releases that are absent"
     )
@@ -279,7 +284,9 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "history":
         from kvoffload.upstream.history import run_history
 
-        return run_history(args.only, args.profile, args.seconds, args.install, args.write)
+        return run_history(
+            args.only, args.profile, args.seconds, args.install, args.write, args.releases
+        )
     if args.command == "install":
         from kvoffload.upstream.install import install_command
 

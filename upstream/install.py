@@ -6,7 +6,8 @@ Layout of the cache (``$KVOFFLOAD_VLLM_CACHE``, default ``~/.cache/kvoffload/vll
   vLLM's config and scheduler modules import; shared by every release;
 - ``releases/X/``: ``vllm==X`` installed there with ``--no-deps``;
 - ``model/``: a hand-written ``config.json`` of a small public architecture, since vLLM's
-  ``ModelConfig`` wants a model and the hub is not reached (``HF_HUB_OFFLINE=1``).
+  ``ModelConfig`` wants a model and the hub is not reached (``HF_HUB_OFFLINE=1``);
+- ``vllm-state/X/``: what release ``X`` caches for itself (``VLLM_CACHE_ROOT``).
 
 Each part is complete once its ``.ready`` stamp exists; a present part is reused (the
 environment's stamp lists the dependencies it has: a longer list is installed over it).
@@ -126,6 +127,10 @@ class Cache:
             | {
                 "PYTHONPATH": os.pathsep.join([str(vllm_root), str(package_root)]),
                 "KVOFFLOAD_VLLM_VERSION": version,
+                # vLLM caches what it learns of the model's class (else a subprocess of
+                # seconds in every process) in one file per class, keyed by the source's
+                # hash: one folder per release, so that releases do not evict each other's.
+                "VLLM_CACHE_ROOT": str(self.root / "vllm-state" / version),
             }
             | run_variables(self.model)
         )

@@ -107,7 +107,7 @@ def release(version: str) -> Release:
     return Release(version, "not in the table", (Check("fixed", "conform", "the fixed model"),))
 
 
-def _numbers(version: str) -> tuple[int, ...] | None:
+def release_numbers(version: str) -> tuple[int, ...] | None:
     """``0.34.1.dev3+g1a2b`` -> ``(0, 34, 1)``; None for what is no version."""
     match = re.match(r"^v?(\d+)\.(\d+)\.(\d+)", version)
     return tuple(int(n) for n in match.groups()) if match else None
@@ -119,7 +119,7 @@ def governing_release(version: str | None) -> Release:
     expectations); a version before every row, or none, is held to the fixed model."""
     if version is not None and version in RELEASES:
         return RELEASES[version]
-    numbers = None if version is None else _numbers(version)
+    numbers = None if version is None else release_numbers(version)
     if numbers is not None:
         # A pre-release (0.34.0.dev2, 0.34.0rc1) comes before its release, so it is held
         # to the release before; the local part (+g1a2b) says nothing of that.
@@ -128,10 +128,10 @@ def governing_release(version: str | None) -> Release:
         older = [
             row
             for v, row in RELEASES.items()
-            if (n := _numbers(v)) is not None and (n < numbers or (n == numbers and not dev))
+            if (n := release_numbers(v)) is not None and (n < numbers or (n == numbers and not dev))
         ]
         if older:
-            row = max(older, key=lambda r: _numbers(r.version) or ())
+            row = max(older, key=lambda r: release_numbers(r.version) or ())
             note = f"held to vllm=={row.version}'s checks, the newest release before {version}"
             return Release(row.version, note, row.checks)
     return release(version or "unknown")

@@ -1,0 +1,268 @@
+"""The bug history (``kvoffload history``): its data agrees with the release table and the
+model's variants, its verdicts are judged as documented, and (where the releases are
+installed) the shrunk counterexample of each bug in reach disagrees in the last release with
+the bug, naming it, and conforms in the first release with the fix."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvoffload.main import main
+from kvoffload.model.errors import ConfigError
+from kvoffload.model.variants import is_variant
+from kvoffload.upstream import history
+from kvoffload.upstream.bugs import BUGS, HistoricalBug, select
+from kvoffload.upstream.install import Cache, default_cache
+from kvoffload.upstream.releases import RELEASES, Check, release_numbers
+
+
+def _version(version: str) -> tuple[int, ...]:
+    numbers = release_numbers(version)
+    assert numbers is not None, version
+    return numbers
+
+
+def test_the_history_lists_29_bugs_each_in_reach_or_saying_what_it_needs() -> None:
+    assert [b.id for b in BUGS] == [f"S{n}" for n in range(1, 30)]
+    for bug in BUGS:
+        assert _version(bug.buggy) < _version(bug.fixed), bug.id
+        if bug.in_scope:
+            assert bug.isolation and bug.fixed_variant and bug.finds and bug.method, bug.id
+            assert is_variant(bug.isolation) and is_variant(bug.fixed_variant), bug.id
+            # the fixed release conforms to its own row of the release table
+            assert RELEASES[bug.fixed].model_variant == bug.fixed_variant, bug.id
+            # the two releases differ: the last buggy one has a model of its own
+            assert RELEASES[bug.buggy].model_variant != bug.fixed_variant, bug.id
+            assert bug.buggy in RELEASES, bug.id
+        else:
+            assert bug.out_of_reach and bug.isolation is None and bug.fixed_variant is None
+    # the eager full-attention bugs of the reference history are all in reach
+    assert {"S1", "S2", "S9", "S25"} <= {b.id for b in BUGS if b.in_scope}
+
+
+def test_bugs_are_chosen_by_id() -> None:
+    assert select(None) == BUGS
+    assert [b.id for b in select("S9, S1,S9")] == ["S9", "S1"]
+    with pytest.raises(ConfigError, match=r"unknown bugs \['S30'\]"):
+        select("S1,S30")
+    with pytest.raises(ConfigError, match="unknown bugs"):
+        select(",")
+
+
+def test_each_release_runs_once_with_each_check_once_in_release_order() -> None:
+    plan = history.checks_by_release(select("S25,S9,S10,S3"))
+    assert list(plan) == ["0.29.0", "0.30.0", "0.33.0", "0.34.0"]
+    assert len(plan["0.29.0"]) == 2  # S9 and S10, one process
+    assert plan["0.30.0"] == [Check("fixed", "conform", "0.30.0 conforms")]  # once for both
+    every = history.checks_by_release(select("S9"), releases=True)
+    assert list(every) == sorted(RELEASES, key=_version)
+    assert all(c in every[v] for v, row in RELEASES.items() for c in row.checks)
+
+
+def _outcome(conforms: bool, disagreement: str | None = None, **more: Any) -> dict[str, Any]:
+    failure = None if conforms else {"rule_steps": 3, "program": [["step", 8]] * 4}
+    return {
+        "conforms": conforms,
+        "disagreement": disagreement,
+        "failure": failure,
+        "seconds_to_first_failure": more.get("seconds"),
+        "programs_to_first_failure": more.get("programs"),
+        "programs": 10,
+        "seconds": 1.0,
+    }
+
+
+def _fake_run(found: dict[str, str], fixed_conforms: bool = True) -> Any:
+    """A stand-in for the releases' processes: each buggy release disagrees as ``found``
+    says (bug id -> its first difference), each fixed release conforms or not."""
+
+    def run(target: Any, install: bool, checks: tuple[Check, ...], *_: Any) -> list[Any]:
+        results = []
+        for check in checks:
+            if check.expect == "conform":
+                results.append(_outcome(fixed_conforms, None if fixed_conforms else "call 1"))
+                continue
+            bug = next(b for b in BUGS if b.in_scope and b.buggy_check() == check)
+            seconds = float(bug.id[1:])  # S1 at 1 s, S25 at 25 s
+            results.append(_outcome(False, found[bug.id], seconds=seconds, programs=2))
+        return results
+
+    return run
+
+
+def test_a_bug_counts_only_with_its_words_found_and_its_fix_conforming(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setattr(Cache, "installed", lambda self, version: True)
+    words = {b.id: f"call 3: snapshots differ in [{b.finds}]" for b in BUGS if b.in_scope}
+    monkeypatch.setattr(history, "run_in_cache", _fake_run(words))
+    page = tmp_path / "history.md"
+    assert history.run_history("S1,S9,S25,S3", None, None, False, str(page)) == 0
+    out = capsys.readouterr().out
+    # median of 1, 9 and 25 seconds
+    assert (
+        "3 of 3 bugs in reach found" in out and "median seconds to the first failure 9.0 s" in out
+    )
+    text = page.read_text()
+    assert "`kvoffload history --only S1,S9,S25,S3 --profile ci --write docs/history.md`" in text
+    assert "| S3 | PR #42296 | 0.21.0 → 0.22.0 | not yet reachable |" in text
+    assert "needs sliding-window groups of another block size: S3" in text
+
+    # another difference first: not this bug
+    monkeypatch.setattr(history, "run_in_cache", _fake_run(words | {"S9": "call 2: tracked"}))
+    assert history.run_history("S9", None, None, False, None) == 1
+    assert "expected a disagreement in 'pending_flushes', found another" in capsys.readouterr().out
+    # the fixed release disagrees: not found either
+    monkeypatch.setattr(history, "run_in_cache", _fake_run(words, fixed_conforms=False))
+    assert history.run_history("S25", None, None, False, None) == 1
+    assert "vllm==0.34.0: expected to conform, but it disagrees" in capsys.readouterr().out
+
+
+def test_the_median_target_is_judged_among_the_bugs_found() -> None:
+    bug = next(b for b in BUGS if b.in_scope)
+    slow = history.BugResult(bug, True, True, 30.0, 900, 4, 6, "x", None)
+    fast = history.BugResult(bug, True, True, 2.0, 40, 3, 3, "x", None)
+    unfixed = history.BugResult(bug, True, False, 0.1, 1, 3, 3, "x", "vllm==x: disagrees")
+    assert history.median_seconds([slow, fast, unfixed]) == 16.0
+    assert "(MISSED)" in history.totals([slow, fast, unfixed])
+    assert "(met)" in history.totals([fast, unfixed])
+
+
+def test_absent_releases_are_named_with_the_command_that_installs_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("KVOFFLOAD_VLLM_CACHE", str(tmp_path))
+    assert main(["history", "--only", "S25"]) == 2
+    err = capsys.readouterr().err
+    assert "releases 0.33.0, 0.34.0 are not installed" in err and "--install" in err
+    assert main(["history", "--only", "S0"]) == 2
+    assert "unknown bugs ['S0']" in capsys.readouterr().err
+
+
+# -- each bug's shrunk counterexample, in its releases --------------------------------------
+
+SMALL = (4, 2, (4,), 4, 1)
+LARGE = (4, 12, (4,), 4, 1)
+# r0 stored, then a long filler holds the GPU while r2 comes back: its CPU hit is pinned
+# from 0.22.0 on (the model), not in 0.21.0, and its allocation fails
+HELD_HIT = [
+    ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
+    ("step", 8),
+    ("step", 8),
+    ("drain",),
+    ("add", "r1", [7, 1, 2, 3, 4, 5, 6, 0, 1], 4),
+    ("step", 8),
+    ("add", "r2", [0, 1, 2, 3, 4, 5, 6, 0], 1),
+    ("step", 8),
+]
+COUNTEREXAMPLES: dict[str, tuple[tuple[int, int, tuple[int, ...], int, int], list[Any]]] = {
+    "S1": (LARGE, HELD_HIT),
+    # the block in flight is selected again by the next step's scan
+    "S2": (SMALL, [("add", "r0", [0, 1, 2, 3], 2), ("step", 8), ("step", 8)]),
+    # the request's only blocks complete in its finishing step: no final flush
+    "S9": (
+        LARGE,
+        [("add", "r1", [7, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 1), ("step", 8), ("step", 8)],
+    ),
+    # the CPU block stamped with the GPU block's key at allocation
+    "S10": (SMALL, [("add", "r0", [0, 1, 2, 3], 2), ("step", 8), ("step", 8)]),
+    # a reset while a hit waits pinned
+    "S21": (
+        LARGE,
+        [
+            ("add", "r1", [0, 1, 2, 3], 1),
+            ("step", 8),
+            ("step", 8),
+            ("drain",),
+            ("add", "r2", [7, 1, 2, 3, 4, 5, 6, 0, 1], 4),
+            ("step", 8),
+            ("add", "r3", [0, 1, 2, 3, 0], 1),
+            ("step", 8),
+            ("reset",),
+        ],
+    ),
+    # a GPU prefix hit refreshes its CPU copy in 0.34.0
+    "S25": (
+        LARGE,
+        [
+            ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
+            ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0], 1),
+            ("step", 8),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+        ],
+    ),
+}
+
+
+def _cases() -> dict[str, list[tuple[str, Any, list[Any], str, str | None]]]:
+    """Per release: (bug, config, program, variant, words the difference must name; None
+    when it must conform)."""
+    cases: dict[str, list[tuple[str, Any, list[Any], str, str | None]]] = {}
+    for bug in BUGS:
+        if bug.id in COUNTEREXAMPLES:
+            config, program = COUNTEREXAMPLES[bug.id]
+            assert bug.isolation and bug.fixed_variant
+            cases.setdefault(bug.buggy, []).append(
+                (bug.id, config, program, bug.isolation, bug.finds)
+            )
+            cases.setdefault(bug.fixed, []).append(
+                (bug.id, config, program, bug.fixed_variant, None)
+            )
+    return cases
+
+
+def test_every_bug_in_reach_has_a_counterexample() -> None:
+    assert {b.id for b in BUGS if b.in_scope} == set(COUNTEREXAMPLES)
+
+
+CASE_RELEASES: list[str] = sorted(_cases(), key=_version)
+
+
+@pytest.mark.parametrize("version", CASE_RELEASES)
+def test_each_counterexample_shows_its_bug_and_conforms_once_fixed(version: str) -> None:
+    cache = Cache(default_cache())
+    if not cache.installed(version):
+        pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
+    cases = _cases()[version]
+    script = textwrap.dedent(
+        f"""
+        import json
+        from kvoffload.model import OffloadConfig
+        from kvoffload.testing.lockstep import first_disagreement
+        for _, config, program, variant, _ in {cases!r}:
+            found = first_disagreement(
+                OffloadConfig(*config), program, adapter="vllm", variant=variant
+            )
+            print(json.dumps({{"found": found}}))
+        """
+    )
+    run = subprocess.run(
+        [str(cache.python), "-c", script],
+        env=cache.environment(version),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(found) == len(cases)
+    for (bug, _, _, variant, words), got in zip(cases, found, strict=True):
+        if words is None:
+            assert got is None, f"{bug} in {version} vs {variant}: {got}"
+        else:
+            assert got is not None and words in got, f"{bug} in {version} vs {variant}: {got}"
+
+
+def test_an_unreachable_bug_has_no_checks() -> None:
+    bug = HistoricalBug("S0", "", "", "0.1.0", "0.2.0", out_of_reach="a GPU")
+    assert not bug.in_scope and history.checks_by_release([bug]) == {}
+    with pytest.raises(AssertionError, match="out of reach"):
+        bug.buggy_check()
