@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 SOURCES := pyproject.toml $(shell find cli model impl proofs testing upstream -name '*.py' 2>/dev/null)
 
-.PHONY: venv verify test verify-vllm clean
+.PHONY: venv verify test verify-vllm history clean
 
 venv: $(VENV)/.ready
 
@@ -30,6 +30,13 @@ verify: venv
 verify-vllm: venv
 	$(BIN)/kvoffload verify --target vllm==0.29.0 --install
 	$(BIN)/kvoffload verify --target vllm==0.34.0 --install
+
+# The bug history (docs/history.md): each historical bug in the model's reach found by the
+# machine in the last release that has it, its fix conforming, and every release from 0.19.0
+# to 0.34.0 held to its own model. Installs the releases absent (0.5 to 0.8 GB each); CI runs
+# a sample (.ci/run). `kvoffload history --releases --write docs/history.md` rewrites the page.
+history: venv
+	$(BIN)/kvoffload history --releases --install
 
 test: venv
 	$(BIN)/kvoffload prove
