@@ -57,3 +57,22 @@ def drain(model: OffloadModel) -> None:
 def prompt(n: int, seed: int = 0) -> list[int]:
     """A deterministic prompt of ``n`` tokens; different seeds give different prompts."""
     return [(seed * 7 + i * 3) % 11 + 1 for i in range(n)]
+
+
+def waiting_on_a_pinned_hit(variant: str) -> OffloadModel:
+    """A 12-token prompt stored on the CPU, a request holding the GPU, and the prompt again:
+    its CPU hit is found and its allocation fails, so the hit waits (pinned, from 0.22.0)."""
+    from kvoffload.model.variants import keeps_invariants
+
+    model = make(gpu_blocks=5, cpu_blocks=12, group_block_sizes=(4,), variant=variant)
+    model.checked = keeps_invariants(variant)
+    tokens = prompt(12)
+    model.add_request("a", tokens, max_tokens=1)
+    for _ in range(4):
+        model.step(16)
+        complete_all_stores(model)
+    model.add_request("hog", prompt(13, seed=1), max_tokens=3)  # holds 4 GPU blocks
+    model.step(16)
+    model.add_request("b", tokens, max_tokens=1)  # CPU hit of 8 tokens, no GPU room
+    model.step(16)
+    return model

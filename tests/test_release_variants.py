@@ -5,34 +5,17 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.model import ConfigError, OffloadModel, violations
+from kvoffload.model import ConfigError, violations
 from kvoffload.model.variants import is_variant, keeps_invariants, scheduler_class
 
-from helpers import complete_all_stores, make, prompt
-
-
-def _waiting_on_a_pinned_hit(variant: str) -> OffloadModel:
-    """A 12-token prompt stored on the CPU, a request holding the GPU, and the prompt again:
-    its CPU hit is found, its allocation fails."""
-    model = make(gpu_blocks=5, cpu_blocks=12, group_block_sizes=(4,), variant=variant)
-    model.checked = keeps_invariants(variant)
-    tokens = prompt(12)
-    model.add_request("a", tokens, max_tokens=1)
-    for _ in range(4):
-        model.step(16)
-        complete_all_stores(model)
-    model.add_request("hog", prompt(13, seed=1), max_tokens=3)  # holds 4 GPU blocks
-    model.step(16)
-    model.add_request("b", tokens, max_tokens=1)  # CPU hit of 8 tokens, no GPU room
-    model.step(16)
-    return model
+from helpers import complete_all_stores, make, prompt, waiting_on_a_pinned_hit
 
 
 def test_no_hit_pins_leaves_a_found_hit_unpinned_while_its_request_waits() -> None:
     """vLLM <= 0.21.0 (#39702): nothing holds the hit between the lookup and the
     allocation; from 0.22.0 it is pinned (ref 1, out of the free queue)."""
-    fixed = _waiting_on_a_pinned_hit("fixed").snapshot()
-    old = _waiting_on_a_pinned_hit("no-hit-pins").snapshot()
+    fixed = waiting_on_a_pinned_hit("fixed").snapshot()
+    old = waiting_on_a_pinned_hit("no-hit-pins").snapshot()
     assert [h[0] for h in fixed.pending_hits] == ["b"] and old.pending_hits == ()
     pinned = fixed.pending_hits[0][1]
     assert all(fixed.cpu.blocks[i].ref_cnt == 1 for i in pinned)
@@ -42,7 +25,7 @@ def test_no_hit_pins_leaves_a_found_hit_unpinned_while_its_request_waits() -> No
 def test_no_hit_pins_looks_the_hit_up_again_and_loads_the_same_blocks() -> None:
     loads = {}
     for variant in ("fixed", "no-hit-pins"):
-        model = _waiting_on_a_pinned_hit(variant)
+        model = waiting_on_a_pinned_hit(variant)
         for _ in range(6):  # the hog finishes, b gets its blocks and loads
             model.step(16)
             complete_all_stores(model)
@@ -86,10 +69,10 @@ def test_pool_0_23_frees_a_hashless_block_to_the_tail() -> None:
 def test_reset_releases_hits_lets_the_cpu_cache_be_cleared() -> None:
     """vLLM 0.32.0 (S21): reset() releases the pin of a hit not yet allocated; 0.30.0 and
     0.31.0 keep it, and reset() cannot clear the CPU cache."""
-    fixed = _waiting_on_a_pinned_hit("fixed")
+    fixed = waiting_on_a_pinned_hit("fixed")
     fixed.step(0)
     complete_all_stores(fixed)
-    released = _waiting_on_a_pinned_hit("reset-releases-hits")
+    released = waiting_on_a_pinned_hit("reset-releases-hits")
     released.step(0)
     complete_all_stores(released)
     fixed.reset()
@@ -100,7 +83,7 @@ def test_reset_releases_hits_lets_the_cpu_cache_be_cleared() -> None:
 def test_the_old_releases_break_only_what_their_bugs_break() -> None:
     """vllm-0.21: the missing final flush (FLUSH-COMPLETE), the registration of 0.29.0
     (REGISTERED), and nothing in flight between steps (IN-FLIGHT); no other invariant."""
-    model = _waiting_on_a_pinned_hit("vllm-0.21")
+    model = waiting_on_a_pinned_hit("vllm-0.21")
     found = {v.invariant for v in violations(model.engine)}
     assert "IN-FLIGHT" in found
     assert found <= {"REGISTERED", "FLUSH-COMPLETE", "IN-FLIGHT"}

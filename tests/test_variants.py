@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvoffload.model import OffloadModel, violations
 
-from helpers import complete_all_stores, make, prompt
+from helpers import complete_all_stores, make, prompt, waiting_on_a_pinned_hit
 
 
 def _ids(model: object) -> set[str]:
@@ -137,16 +137,7 @@ def test_inclusive_cpu_reset_releases_the_pins_of_unallocated_cpu_hits() -> None
     reset releases it, 0.30.0's keeps it."""
     pinned = {}
     for variant in ("fixed", "inclusive-cpu"):
-        model = make(gpu_blocks=5, cpu_blocks=12, group_block_sizes=(4,), variant=variant)
-        tokens = prompt(12)
-        model.add_request("a", tokens, max_tokens=1)
-        for _ in range(4):
-            model.step(16)
-            complete_all_stores(model)
-        model.add_request("hog", prompt(13, seed=1), max_tokens=3)  # holds 4 GPU blocks
-        model.step(16)
-        model.add_request("b", tokens, max_tokens=1)  # CPU hit of 8 tokens, no GPU room
-        model.step(16)
+        model = waiting_on_a_pinned_hit(variant)
         assert [h[0] for h in model.snapshot().pending_hits] == ["b"]
         model.reset()
         pinned[variant] = model.snapshot().pending_hits
