@@ -113,3 +113,16 @@ def test_a_bug_planted_in_a_copy_of_vllm_is_found(tmp_path: Path) -> None:
     assert "flush" in planted.stdout and "first_disagreement(config, program" in planted.stdout
     release = Cache(default_cache()).release("0.34.0") / MANAGER
     assert call in release.read_text()  # the installed release is untouched
+
+
+def test_a_tree_whose_vllm_does_not_import_is_a_broken_setup(tmp_path: Path) -> None:
+    if not Cache(default_cache()).ready():
+        pytest.skip("no shared environment: kvoffload install vllm==0.34.0")
+    root = _tree(tmp_path / "broken", "__version__ = '0.34.0'\n")
+    (root / "vllm" / "__init__.py").write_text("raise ImportError('planted: no vllm here')\n")
+    run = _verify(f"vllm@{root}", tmp_path)
+    assert run.returncode == 3, run.stdout[-2000:] + run.stderr[-2000:]
+    lines = run.stderr.strip().splitlines()
+    assert "Traceback" not in run.stderr
+    assert "vLLM 0.34.0 does not import here" in lines[-2] and "planted" in lines[-2]
+    assert lines[-1].startswith("kvoffload verify: broken setup: the checks of vllm@")

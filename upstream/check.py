@@ -223,14 +223,20 @@ def warm_up() -> None:
 
 
 def main(argv: list[str]) -> int:
+    """The release's process: its checks' results into ``RESULT``; exit status 3 and one
+    line, without a result, when the environment cannot run them."""
     result_file, checks, profile_name, seconds, seed = argv
-    results = run_checks(
-        os.environ["KVOFFLOAD_VLLM_VERSION"],
-        tuple(Check(**c) for c in json.loads(checks)),
-        profile_name or None,
-        float(seconds or 0) or None,
-        int(seed) if seed else None,
-    )
+    try:
+        results = run_checks(
+            os.environ["KVOFFLOAD_VLLM_VERSION"],
+            tuple(Check(**c) for c in json.loads(checks)),
+            profile_name or None,
+            float(seconds or 0) or None,
+            int(seed) if seed else None,
+        )
+    except SetupError as error:
+        print(f"broken setup: {error}", file=sys.stderr)
+        return 3
     Path(result_file).write_text(json.dumps(results))
     return 0
 
