@@ -307,6 +307,21 @@ are those of the shrunk, reduced counterexample.
 
 The model variants are in `kvoffload/model/variants.py` (`docs/spec.md` lists them); `A+B`
 composes two.
+
+## What makes finding fast
+
+- Each release's process builds one configuration of vLLM's objects and runs one Hypothesis
+  example before the campaign's clock starts: vLLM's lazy imports, its model registry's
+  inspection and Hypothesis's scan of the loaded modules are paid once, outside the figures.
+- The `evict` rule (`docs/conformance.md`) reaches in one rule the states most of these bugs
+  need: an earlier prompt's blocks on the CPU and not on the GPU; with its filler held, a CPU
+  hit pinned while its allocation fails (S1), then a reset while the pin is held (S21).
+- Hypothesis chooses the rules of each program by swarm testing: every program draws which
+  rules are enabled, so that some programs are made of a few kinds of rule only.
+- Under a random profile (`--profile fast` or `nightly`) the example database replays the
+  failures each check found before, for the same release and model variant, first. The
+  figures above are from the derandomized `ci` profile, which has no database: every bug is
+  found from scratch.
 {releases}
 ## Not yet reachable
 
