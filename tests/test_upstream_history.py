@@ -266,3 +266,15 @@ def test_an_unreachable_bug_has_no_checks() -> None:
     assert not bug.in_scope and history.checks_by_release([bug]) == {}
     with pytest.raises(AssertionError, match="out of reach"):
         bug.buggy_check()
+
+
+def test_a_difference_in_a_cell_names_the_state_before_the_result() -> None:
+    both = (
+        "call 8 ('step', 8): model returned StepResult(a), implementation StepResult(b); "
+        "snapshots differ in ['cpu', 'pending_hits']: cpu: block 1 | 2"
+    )
+    assert history._short(both) == (
+        "call 8 ('step', 8): results differ; snapshots differ in ['cpu', 'pending_hits']: "
+        "cpu: block 1 / 2"
+    )
+    assert history._short("x" * 200).endswith("…") and len(history._short("x" * 200)) == 160

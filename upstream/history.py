@@ -189,7 +189,14 @@ def table(results: list[BugResult]) -> str:
 
 
 def _short(difference: str, limit: int = 160) -> str:
+    """A difference in one table cell. Where a result and the state both differ, the call
+    and the state's fields come first: they name the cause, the result its effect."""
     text = difference.replace("|", "/").replace("\n", " ")
+    call, sep, state = text.partition("; snapshots differ in ")
+    if sep:
+        text = (
+            f"{call.partition(': model returned')[0]}: results differ; snapshots differ in {state}"
+        )
     return text if len(text) <= limit else text[: limit - 1] + "…"
 
 
