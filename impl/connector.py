@@ -1,9 +1,11 @@
 """The implementation's offload scheduler: eager CPU offloading as vLLM 0.30.0's
 ``SimpleCPUOffloadScheduler`` for full-attention groups, written for speed.
 
-Selection walks each group's block table from its cursor once; the in-flight set and the
-CPU index are hash lookups; transfers keep block objects so that completion touches each
-block once. Fault variants override single methods (``kvoffload.impl.faults``).
+State is in arrays (:mod:`kvoffload.impl.pool`): transfers, hits and loads hold block ids,
+and every pool operation takes a whole batch. Selection walks each group's block table from
+its cursor once, filtering a window with one comprehension; the in-flight set and the CPU
+index are hash lookups on key strings. Fault variants override single methods
+(``kvoffload.impl.faults``).
 
 Invariants kept (``docs/spec.md``): SKIP, CAPACITY, UNREACHABLE, REGISTERED, PENDING,
 IN-FLIGHT, RESET, EVENTS, LOAD-PINNED.
@@ -15,8 +17,7 @@ from collections.abc import Callable, Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvoffload.impl.pool import Pool, PoolBlock
-from kvoffload.model.keys import BlockKey
+from kvoffload.impl.pool import NULL, Pool
 from kvoffload.model.types import NO_EVENT, ConnectorMetadata
 
 if TYPE_CHECKING:
@@ -26,10 +27,10 @@ if TYPE_CHECKING:
 
 @dataclass
 class Copy:
-    """Paired GPU and CPU blocks of one transfer."""
+    """Paired GPU and CPU block ids of one transfer."""
 
-    gpu: list[PoolBlock]
-    cpu: list[PoolBlock]
+    gpu: list[int]
+    cpu: list[int]
 
 
 @dataclass
@@ -53,7 +54,7 @@ class Tracker:
 
 @dataclass
 class Hit:
-    blocks: list[list[PoolBlock]]
+    blocks: list[list[int]]
     length: int
     start: int
 
@@ -92,23 +93,32 @@ class Connector:
     def longest_hit(
         self,
         pool: Pool,
-        keys: Sequence[Sequence[BlockKey]],
+        keys: Sequence[Sequence[str]],
         start_tokens: int,
         limit: int,
         skip: Container[int] = (),
-    ) -> tuple[list[list[PoolBlock]], int]:
+    ) -> tuple[list[list[int]], int]:
         """Per group, blocks hit left to right from ``start_tokens``; the common aligned hit.
         Blocks in ``skip`` are passed over as if they were not cached."""
-        found: list[list[PoolBlock]] = []
+        found: list[list[int]] = []
         hit = limit
+        index = pool.index
         for size, group_keys in zip(self.sizes, keys, strict=True):
             first = start_tokens // size
-            blocks: list[PoolBlock] = []
-            for key in group_keys[first : first + limit // size]:
-                block = pool.find(key, skip)
-                if block is None:
-                    break
-                blocks.append(block)
+            wanted = group_keys[first : first + limit // size]
+            blocks: list[int] = []
+            if skip or pool.dups:
+                for key in wanted:
+                    block = pool.find(key, skip)
+                    if block is None:
+                        break
+                    blocks.append(block)
+            else:  # one holder per key: the index alone answers
+                for key in wanted:
+                    block = index.get(key)
+                    if block is None:
+                        break
+                    blocks.append(block)
             found.append(blocks)
             reach = len(blocks) * size
             hit = min(hit, reach - reach % self.align)
@@ -130,8 +140,8 @@ class Connector:
         return hit, True
 
     def intact_hit(
-        self, keys: Sequence[Sequence[BlockKey]], start: int, limit: int
-    ) -> tuple[list[list[PoolBlock]], int]:
+        self, keys: Sequence[Sequence[str]], start: int, limit: int
+    ) -> tuple[list[list[int]], int]:
         """The longest CPU hit whose blocks pass the integrity check: a damaged block is
         evicted (its keys dropped, its queue place kept) and the lookup made again."""
         while True:
@@ -142,7 +152,7 @@ class Connector:
             for block in damaged:
                 self.cpu.drop_keys(block)
 
-    def lookup(self, keys: Sequence[Sequence[BlockKey]], limit: int) -> int:
+    def lookup(self, keys: Sequence[Sequence[str]], limit: int) -> int:
         """The hit a request would get now, read-only: what ``intact_hit`` would find,
         passing over damaged blocks instead of evicting them."""
         damaged: set[int] = set()
@@ -151,15 +161,15 @@ class Connector:
             found = self.verify(blocks)
             if not found:
                 return hit
-            damaged.update(b.block_id for b in found)
+            damaged.update(found)
 
-    def verify(self, blocks: list[list[PoolBlock]]) -> list[PoolBlock]:
+    def verify(self, blocks: list[list[int]]) -> list[int]:
         """The hit blocks whose bytes fail their checksum on some worker."""
-        candidates = [b for group in blocks for b in group if not b.is_null]
-        bad = self.integrity_check([b.block_id for b in candidates])
-        return [b for b in candidates if b.block_id in bad]
+        candidates = [b for group in blocks for b in group if b != NULL]
+        bad = self.integrity_check(candidates)
+        return [b for b in candidates if b in bad] if bad else []
 
-    def pin_hit(self, blocks: list[list[PoolBlock]]) -> None:
+    def pin_hit(self, blocks: list[list[int]]) -> None:
         self.cpu.pin(b for group in blocks for b in group)
 
     def unpin_hit(self, hit: Hit) -> None:
@@ -177,15 +187,17 @@ class Connector:
         if external == 0:
             self.unpin_hit(hit)
             return
-        gpu: list[PoolBlock] = []
-        cpu: list[PoolBlock] = []
+        gpu: list[int] = []
+        cpu: list[int] = []
         for table, blocks, size in zip(tables, hit.blocks, self.sizes, strict=True):
+            taken = blocks[: -(-external // size)]
             base = hit.start // size
-            for offset, block in enumerate(blocks[: -(-external // size)]):
-                gpu.append(self.gpu.blocks[table[base + offset]])
-                cpu.append(block)
-        self.cpu.pin(cpu)
-        self.unpin_hit(hit)
+            gpu += table[base : base + len(taken)]
+            cpu += taken
+        if cpu != [b for group in hit.blocks for b in group]:
+            self.cpu.pin(cpu)
+            self.unpin_hit(hit)
+        # else the load takes the whole hit: its pins become the load's (pin, then unpin)
         self.gpu.pin(gpu)
         self.loads[rid] = Load(rid, Copy(gpu, cpu))
 
@@ -196,8 +208,8 @@ class Connector:
     ) -> ConnectorMetadata:
         """``scheduled``: (request id, new block ids per group, tokens scheduled), new
         requests first, as vLLM's ``yield_req_data``."""
-        gpu: list[PoolBlock] = []
-        cpu: list[PoolBlock] = []
+        gpu: list[int] = []
+        cpu: list[int] = []
         reqs: list[str] = []
         for rid, new_ids, num_tokens in scheduled:
             tracker = self.trackers.get(rid)
@@ -212,7 +224,7 @@ class Connector:
                 gpu += picked
                 cpu += self.reserve(picked)
                 reqs.append(rid)
-                self.in_flight.update(b.block_id for b in picked)
+                self.in_flight.update(picked)
                 self.gpu.pin(picked)
             for g, n in enumerate(advanced):
                 tracker.cursors[g] += n
@@ -239,51 +251,55 @@ class Connector:
             for rid in load_reqs:
                 load = self.loads[rid]
                 load.event = load_event
-                load_gpu += self.gpu.ids(load.copy.gpu)
-                load_cpu += self.cpu.ids(load.copy.cpu)
+                load_gpu += load.copy.gpu
+                load_cpu += load.copy.cpu
             self.load_events[load_event] = load_reqs
         return ConnectorMetadata(
             store_event,
-            tuple(self.gpu.ids(gpu)),
-            tuple(self.cpu.ids(cpu)),
+            tuple(gpu),
+            tuple(cpu),
             load_event,
             tuple(load_gpu),
             tuple(load_cpu),
             {e: tuple(r) for e, r in self.load_events.items()},
         )
 
-    def storable(self, block: PoolBlock) -> bool:
-        """The skip rules: null, unkeyed, in flight, or already in the CPU index."""
-        return not (
-            block.is_null
-            or block.key is None
-            or block.block_id in self.in_flight
-            or block.key in self.cpu.index
-        )
+    def storable(self, window: Sequence[int]) -> list[int]:
+        """The skip rules, over a window of a block table: the blocks that are not null,
+        are keyed, are not in flight, and whose key is not in the CPU index."""
+        key, in_flight, index = self.gpu.key, self.in_flight, self.cpu.index
+        return [
+            b
+            for b in window
+            if b != NULL and key[b] is not None and b not in in_flight and key[b] not in index
+        ]
 
     def select(
         self, tracker: Tracker, tables: tuple[list[int], ...]
-    ) -> tuple[list[PoolBlock], list[int], bool]:
+    ) -> tuple[list[int], list[int], bool]:
         """Blocks to store from each cursor up to the confirmed tokens; cursor advances;
-        whether selection stopped for lack of CPU blocks."""
+        whether selection stopped for lack of CPU blocks. A block that is skipped is passed
+        (its cursor advances); selection stops at the first storable block with no room."""
         confirmed = tracker.request.num_computed_tokens // self.align * self.align
         room = self.cpu.num_free
-        picked: list[PoolBlock] = []
+        picked: list[int] = []
         advanced = [0] * len(tables)
         for g, table in enumerate(tables):
             if len(picked) >= room:
                 return picked, advanced, True
-            end = min(len(table), confirmed // self.sizes[g])
-            for block_id in table[tracker.cursors[g] : end]:
-                block = self.gpu.blocks[block_id]
-                if self.storable(block):
-                    if len(picked) >= room:
-                        return picked, advanced, True
-                    picked.append(block)
-                advanced[g] += 1
+            window = table[tracker.cursors[g] : min(len(table), confirmed // self.sizes[g])]
+            found = self.storable(window)
+            left = room - len(picked)
+            if len(found) <= left:
+                picked += found
+                advanced[g] = len(window)
+                continue
+            picked += found[:left]
+            advanced[g] = window.index(found[left])
+            return picked, advanced, True
         return picked, advanced, False
 
-    def reserve(self, picked: list[PoolBlock]) -> list[PoolBlock]:
+    def reserve(self, picked: list[int]) -> list[int]:
         """CPU destinations for ``picked``: fresh, unkeyed, unreachable until completion."""
         return self.cpu.allocate(len(picked))
 
@@ -297,7 +313,7 @@ class Connector:
             return None
         flush = Copy(picked, self.reserve(picked))
         self.flushes.append(flush)
-        self.in_flight.update(b.block_id for b in picked)
+        self.in_flight.update(picked)
         self.gpu.pin(picked)
         return flush
 
@@ -331,12 +347,11 @@ class Connector:
             if abandoned is not None:
                 self.forget(abandoned)
             return
-        self.in_flight.difference_update(b.block_id for b in copy.gpu)
+        self.in_flight.difference_update(copy.gpu)
         if failed:
             self.forget(copy)  # a worker's copy failed: nothing of it becomes reachable
         else:
-            for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
-                self.publish(gpu_block, cpu_block)
+            self.publish(copy)
             self.cpu.release(copy.cpu)
             self.gpu.release(copy.gpu)
         for rid in self.store_reqs.pop(event, []):
@@ -346,13 +361,18 @@ class Connector:
                 if tracker.finished and not tracker.events:
                     self.untrack(rid)
 
-    def publish(self, gpu_block: PoolBlock, cpu_block: PoolBlock) -> None:
-        """Register every key of the source on the copy: the primary first, with its token
+    def publish(self, copy: Copy) -> None:
+        """Register every key of each source on its copy: the primary first, with its token
         count, so that it stays the primary; then the secondary keys."""
-        assert gpu_block.key is not None, f"stored gpu block {gpu_block.block_id} lost its key"
-        self.cpu.register(gpu_block.key, cpu_block, gpu_block.key_tokens)
-        for key in self.gpu.extra_keys.get(gpu_block.block_id, ()):
-            self.cpu.register(key, cpu_block, None)
+        gpu, cpu = self.gpu, self.cpu
+        extra, keys, tokens = gpu.extra_keys, gpu.key, gpu.key_tokens
+        for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
+            key = keys[gpu_block]
+            assert key is not None, f"stored gpu block {gpu_block} lost its key"
+            cpu.register(key, cpu_block, tokens[gpu_block])
+            if extra and gpu_block in extra:
+                for secondary in extra[gpu_block]:
+                    cpu.register(secondary, cpu_block, None)
 
     def forget(self, copy: Copy) -> None:
         """Drop a transfer's pins; its data never becomes reachable."""

@@ -3,7 +3,9 @@ model (``kvoffload.model.OffloadModel``), with real KV bytes moved by workers.
 
 ``faults`` selects variants from :data:`kvoffload.impl.faults.FAULTS`. ``layout=None``
 runs the scheduler alone, without tensors (for scheduler benchmarks). ``device`` is where
-the "GPU" blocks live: ``cuda`` when available, else host memory.
+the "GPU" blocks live: ``cuda`` when available, else host memory. ``lockstep=True`` makes
+every copy of a step complete before the step returns, on the caller's thread (no copy
+thread is started), in the copy engine's order: what the conformance machine drives.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from kvoffload.impl.connector import Connector
 from kvoffload.impl.content import token_bytes, token_seeds
 from kvoffload.impl.engine import ImplEngine, ImplRequest, Status
 from kvoffload.impl.faults import FAULTS
+from kvoffload.impl.pool import block_key
 from kvoffload.impl.snapshot import take_snapshot
 from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import KVLayout, Worker
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
-from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import Snapshot
 from kvoffload.model.types import NO_EVENT, FinishResult, StepResult
 from kvoffload.model.validate import (
@@ -52,6 +54,7 @@ class OffloadImpl:
         faults: Sequence[str] = (),
         layout: KVLayout | None = DEFAULT_LAYOUT,
         device: str | torch.device | None = None,
+        lockstep: bool = False,
     ) -> None:
         unknown = sorted(set(faults) - set(FAULTS))
         if unknown:
@@ -68,7 +71,10 @@ class OffloadImpl:
         self.workers: list[Worker] = (
             []
             if layout is None
-            else [worker(config, layout, rank, self.device) for rank in range(config.world_size)]
+            else [
+                worker(config, layout, rank, self.device, lockstep)
+                for rank in range(config.world_size)
+            ]
         )
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
@@ -76,8 +82,8 @@ class OffloadImpl:
             self.connector.integrity_check = self._damaged
         # The data check's memory: seeds behind each key seen, expected bytes per layer.
         self._fully_indexed: set[str] = set()
-        self._key_seeds: dict[BlockKey, list[int]] = {}
-        self._expected_bytes: dict[tuple[BlockKey, int], torch.Tensor] = {}
+        self._key_seeds: dict[str, list[int]] = {}
+        self._expected_bytes: dict[tuple[str, int], torch.Tensor] = {}
 
     @property
     def connector(self) -> Connector:
@@ -115,6 +121,7 @@ class OffloadImpl:
                 w.submit_load(meta.load_event, meta.load_gpu_blocks, meta.load_cpu_blocks)
             if meta.store_event != NO_EVENT:
                 w.submit_store(meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
+            w.end_step()
         finished = self.engine.sample(ranges)
         return StepResult(ranges, tuple(loading), tuple(finished), meta)
 
@@ -126,8 +133,8 @@ class OffloadImpl:
             return FinishResult(request_id)
         return FinishResult(
             request_id,
-            tuple(b.block_id for b in flush.gpu),
-            tuple(b.block_id for b in flush.cpu),
+            tuple(flush.gpu),
+            tuple(flush.cpu),
         )
 
     def complete_store(self, event: int, worker: int = 0) -> bool:
@@ -147,7 +154,7 @@ class OffloadImpl:
         self.connector.report(set(), {event: 1}, frozenset({event}) if failed else frozenset())
         if live is not None and event not in self.connector.stores and not dropped:
             for w in self.workers:
-                w.seal([b.block_id for b in live.cpu])
+                w.seal(live.cpu)
         return len(reported) == self.config.world_size
 
     def corrupt(self, cpu_block: int, worker: int = 0) -> None:
@@ -156,7 +163,7 @@ class OffloadImpl:
         cpu = self.connector.cpu
 
         def state(block_id: int) -> tuple[object | None, int]:
-            return cpu.blocks[block_id].key, cpu.blocks[block_id].ref
+            return cpu.key[block_id], cpu.ref[block_id]
 
         require_damageable(self.config, cpu_block, worker, state)
         if self.workers:
@@ -242,31 +249,28 @@ class OffloadImpl:
             return []
         self._index_keys()
         problems: list[str] = []
-        loading = {b.block_id for load in self.connector.loads.values() for b in load.copy.gpu}
+        loading = {b for load in self.connector.loads.values() for b in load.copy.gpu}
         for w in self.workers:
             busy = loading | w.settle()
             for side, pool, tensors in (
                 ("cpu", self.connector.cpu, w.cpu_kv),
                 ("gpu", self.engine.gpu, w.gpu_kv),
             ):
-                for block in pool.blocks[1:]:
-                    key = block.key
-                    if key is None or key not in self._key_seeds:
+                skip = busy if side == "gpu" else exempt
+                for block in range(1, pool.num_blocks):
+                    key = pool.key[block]
+                    if key is None or block in skip or key not in self._key_seeds:
                         continue
-                    if not pool.has(key, block.block_id):
+                    if not pool.has(key, block):
                         continue
-                    if key.num_tokens % self.config.group_block_sizes[key.group]:
+                    shared = block_key(key)
+                    if shared.num_tokens % self.config.group_block_sizes[shared.group]:
                         continue
-                    if side == "gpu" and block.block_id in busy:
-                        continue
-                    if side == "cpu" and block.block_id in exempt:
-                        continue
-                    for layer, tensor in enumerate(tensors[key.group]):
-                        expected = self._expected(key, layer)
-                        if not torch.equal(tensor[block.block_id].cpu(), expected):
+                    for layer, tensor in enumerate(tensors[shared.group]):
+                        if not torch.equal(tensor[block].cpu(), self._expected(key, layer)):
                             problems.append(
-                                f"worker {w.rank} {side} block {block.block_id} layer {layer} "
-                                f"does not hold the KV of {key}"
+                                f"worker {w.rank} {side} block {block} layer {layer} "
+                                f"does not hold the KV of {shared}"
                             )
         return problems
 
@@ -284,15 +288,16 @@ class OffloadImpl:
                         continue
                     if seeds is None:
                         seeds = token_seeds(req.tokens)
-                    size = self.config.group_block_sizes[key.group]
-                    self._key_seeds[key] = seeds[key.num_tokens - size : key.num_tokens]
+                    shared = block_key(key)
+                    size = self.config.group_block_sizes[shared.group]
+                    self._key_seeds[key] = seeds[shared.num_tokens - size : shared.num_tokens]
             if req.status is Status.FINISHED:
                 self._fully_indexed.add(rid)
 
-    def _expected(self, key: BlockKey, layer: int) -> torch.Tensor:
+    def _expected(self, key: str, layer: int) -> torch.Tensor:
         found = self._expected_bytes.get((key, layer))
         if found is None:
             bpt = self.workers[0].layout.bytes_per_token
-            found = token_bytes(self._key_seeds[key], key.group, layer, bpt)
+            found = token_bytes(self._key_seeds[key], block_key(key).group, layer, bpt)
             self._expected_bytes[(key, layer)] = found
         return found

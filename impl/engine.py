@@ -1,7 +1,8 @@
 """The implementation's engine: requests, GPU block tables, GPU prefix hits, the step.
 
 Same semantics as the model's engine (``docs/spec.md``), with incremental per-request key
-lists instead of recomputation, and KV writes delegated to the workers.
+lists instead of recomputation, block ids and key strings (:mod:`kvoffload.impl.pool`)
+instead of objects, and KV writes delegated to the workers.
 
 Invariants kept: REF-GPU, REF-CPU, KEYS.
 """
@@ -13,8 +14,8 @@ from enum import StrEnum
 from typing import TYPE_CHECKING
 
 from kvoffload.impl.connector import Connector, Copy
-from kvoffload.impl.pool import Pool, PoolBlock
-from kvoffload.model.keys import BlockKey, chain_digest, fine_key
+from kvoffload.impl.pool import NULL, Pool, make_key
+from kvoffload.model.keys import chain_digest
 
 if TYPE_CHECKING:
     from kvoffload.model.config import OffloadConfig
@@ -37,6 +38,7 @@ class ImplRequest:
     ) -> None:
         self.request_id = request_id
         self.tokens = list(prompt)
+        self.token_sum = sum(self.tokens)  # the decoded token is a function of it
         self.num_prompt = len(self.tokens)
         self.max_tokens = max_tokens
         self.num_computed_tokens = 0
@@ -44,7 +46,7 @@ class ImplRequest:
         self.hbs = config.hash_block_size
         self.sizes = config.group_block_sizes
         self.digests: list[str] = []
-        self._keys: list[list[BlockKey]] = [[] for _ in self.sizes]
+        self._keys: list[list[str]] = [[] for _ in self.sizes]
         self._hash_new_blocks()
 
     @property
@@ -57,7 +59,12 @@ class ImplRequest:
 
     def append(self, token: int) -> None:
         self.tokens.append(token)
+        self.token_sum += token
         self._hash_new_blocks()
+
+    def next_token(self) -> int:
+        """The token decoded after the tokens so far (the model's ``greedy_token``)."""
+        return self.token_sum % DECODE_ALPHABET
 
     def _hash_new_blocks(self) -> None:
         hbs = self.hbs
@@ -67,10 +74,15 @@ class ImplRequest:
             self.digests.append(chain_digest(parent, self.tokens[j * hbs : (j + 1) * hbs]))
             for g, size in enumerate(self.sizes):
                 if ((j + 1) * hbs) % size == 0:
-                    self._keys[g].append(BlockKey(g, (j + 1) * hbs, self.digests[j]))
+                    self._keys[g].append(make_key(g, (j + 1) * hbs, self.digests[j]))
 
-    def block_keys(self) -> list[list[BlockKey]]:
+    def block_keys(self) -> list[list[str]]:
+        """Per group, the key of every full block so far."""
         return self._keys
+
+    def fine_key(self, j: int, group: int) -> str:
+        """The key of the prefix of hash blocks ``0..j`` in ``group``."""
+        return make_key(group, (j + 1) * self.hbs, self.digests[j])
 
 
 class ImplEngine:
@@ -128,7 +140,7 @@ class ImplEngine:
                     req.num_computed_tokens -= 1
                 self.loaded.discard(rid)
                 req.status = Status.WAITING
-            hits: list[list[PoolBlock]] | None = None
+            hits: list[list[int]] | None = None
             local = external = 0
             load = False
             if req.num_computed_tokens == 0:
@@ -159,7 +171,7 @@ class ImplEngine:
         self,
         req: ImplRequest,
         n: int,
-        hits: list[list[PoolBlock]] | None = None,
+        hits: list[list[int]] | None = None,
         local: int = 0,
         external: int = 0,
         delay_cache: bool = False,
@@ -173,7 +185,8 @@ class ImplEngine:
         need = sum(
             max(0, w - len(ids) - len(h)) for w, ids, h in zip(wanted, table, hits, strict=True)
         )
-        need += sum(1 for h in hits for b in h if b.ref == 0 and not b.is_null)
+        ref = self.gpu.ref
+        need += sum(1 for h in hits for b in h if ref[b] == 0 and b != NULL)
         if need > self.gpu.num_free:
             return False
         if first:
@@ -181,13 +194,13 @@ class ImplEngine:
             self.cached[rid] = [len(h) for h in hits]
             for ids, h in zip(table, hits, strict=True):
                 self.gpu.pin(h)
-                ids.extend(b.block_id for b in h)
+                ids.extend(h)
             if external:
                 for ids, size in zip(table, self.sizes, strict=True):
                     k = -(-(local + external) // size) - len(ids)
-                    ids.extend(b.block_id for b in self.gpu.allocate(max(0, k)))
+                    ids.extend(self.gpu.allocate(max(0, k)))
         for ids, w in zip(table, wanted, strict=True):
-            ids.extend(b.block_id for b in self.gpu.allocate(max(0, w - len(ids))))
+            ids.extend(self.gpu.allocate(max(0, w - len(ids))))
         if not delay_cache:
             self.cache(req, min(end, req.num_tokens))
         return True
@@ -200,27 +213,25 @@ class ImplEngine:
             ids = self.tables[rid][g]
             done = self.cached[rid][g]
             full = num_tokens // size
-            keys = req.block_keys()[g]
-            for i in range(done, full):
-                block = self.gpu.blocks[ids[i]]
-                if block.key is not None:
-                    self.gpu.drop_keys(block)
-                self.gpu.register(keys[i], block, keys[i].num_tokens)
-            self.cached[rid][g] = max(done, full)
+            if full > done:
+                keys = req.block_keys()[g]
+                self.gpu.register_full(keys[done:full], ids[done:full], (done + 1) * size, size)
+                self.cached[rid][g] = full
             if size == hbs or boundary == 0 or boundary > num_tokens or boundary % size == 0:
                 continue
             if boundary // size < len(ids):
-                self.cache_tail(
-                    self.gpu.blocks[ids[boundary // size]],
-                    fine_key(req.digests, boundary // hbs - 1, g, hbs),
-                )
+                key = req.fine_key(boundary // hbs - 1, g)
+                self.cache_tail(ids[boundary // size], key, boundary)
 
-    def cache_tail(self, block: PoolBlock, key: BlockKey) -> None:
-        """A prompt boundary inside a block: primary while partial, secondary once full."""
-        known = block.key == key or self.gpu.has(key, block.block_id)
-        if not known and block.key_tokens is not None and block.key_tokens < key.num_tokens:
-            self.gpu.drop_keys(block)
-        self.gpu.register(key, block, key.num_tokens)
+    def cache_tail(self, block: int, key: str, tokens: int) -> None:
+        """A prompt boundary inside a block, ``key`` covering ``tokens`` tokens: primary
+        while the block is partial, secondary once it is full."""
+        gpu = self.gpu
+        known = gpu.key[block] == key or gpu.has(key, block)
+        held = gpu.key_tokens[block]
+        if not known and held is not None and held < tokens:
+            gpu.drop_keys(block)
+        gpu.register(key, block, tokens)
 
     def sample(self, ranges: dict[str, tuple[int, int]]) -> list[str]:
         """Advance computed tokens, sample a token where the prompt is done; finish at
@@ -230,7 +241,7 @@ class ImplEngine:
             req = self.requests[rid]
             req.num_computed_tokens = end
             if end == req.num_tokens:
-                req.append(sum(req.tokens) % DECODE_ALPHABET)
+                req.append(req.next_token())
                 if len(req.output) >= req.max_tokens:
                     self.finish(rid)
                     done.append(rid)
@@ -257,7 +268,7 @@ class ImplEngine:
 
     def free_table(self, rid: str) -> None:
         for ids in self.tables.pop(rid, []):
-            self.gpu.release(self.gpu.blocks[i] for i in reversed(ids))
+            self.gpu.release(reversed(ids))
         self.cached.pop(rid, None)
 
     def loads_done(self, rids: set[str]) -> None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass, replace
 
 from kvoffload.impl.connector import Connector, Copy, Tracker
 from kvoffload.impl.engine import ImplRequest
-from kvoffload.impl.pool import Pool, PoolBlock
+from kvoffload.impl.pool import NULL, Pool
 from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import Worker
 from kvoffload.model.config import OffloadConfig
@@ -25,15 +25,15 @@ class PhantomPrimary(Connector):
     allocation, and completion registers through ``_insert_block_hash`` without
     ``reset_hash()``; its first guard returns early, so the primary never enters the map."""
 
-    def reserve(self, picked: list[PoolBlock]) -> list[PoolBlock]:
+    def reserve(self, picked: list[int]) -> list[int]:
         cpu = super().reserve(picked)
         for gpu_block, cpu_block in zip(picked, cpu, strict=True):
-            cpu_block.key = gpu_block.key
+            self.cpu.key[cpu_block] = self.gpu.key[gpu_block]
         return cpu
 
     def forget(self, copy: Copy) -> None:
         for block in copy.cpu:
-            block.key = None  # vLLM <= 0.29.0 reset the stamp before releasing
+            self.cpu.key[block] = None  # vLLM <= 0.29.0 reset the stamp before releasing
         super().forget(copy)
 
 
@@ -49,9 +49,11 @@ class SecondaryKeysNotCopied(Connector):
     """vLLM #53498 (fixed by PR #53532): completion registers the primary key only; the GPU
     block's secondary (fine-grained) keys never reach the CPU block."""
 
-    def publish(self, gpu_block: PoolBlock, cpu_block: PoolBlock) -> None:
-        assert gpu_block.key is not None
-        self.cpu.register(gpu_block.key, cpu_block, gpu_block.key_tokens)
+    def publish(self, copy: Copy) -> None:
+        for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
+            key = self.gpu.key[gpu_block]
+            assert key is not None
+            self.cpu.register(key, cpu_block, self.gpu.key_tokens[gpu_block])
 
 
 class _Flushing(Connector):
@@ -71,10 +73,13 @@ class FlushStoresPresent(_Flushing):
     """PR #53532 ("existing CPU entries are skipped"): a final flush that does not skip
     blocks whose key is already in the CPU map stores them a second time."""
 
-    def storable(self, block: PoolBlock) -> bool:
+    def storable(self, window: Sequence[int]) -> list[int]:
         if self.flushing:
-            return not (block.is_null or block.key is None or block.block_id in self.in_flight)
-        return super().storable(block)
+            key = self.gpu.key
+            return [
+                b for b in window if b != NULL and key[b] is not None and b not in self.in_flight
+            ]
+        return super().storable(window)
 
 
 class FlushIgnoresCapacity(_Flushing):
@@ -83,15 +88,16 @@ class FlushIgnoresCapacity(_Flushing):
 
     def select(
         self, tracker: Tracker, tables: tuple[list[int], ...]
-    ) -> tuple[list[PoolBlock], list[int], bool]:
+    ) -> tuple[list[int], list[int], bool]:
         if not self.flushing:
             return super().select(tracker, tables)
         confirmed = tracker.request.num_computed_tokens // self.align * self.align
         picked = [
-            self.gpu.blocks[i]
+            b
             for g, table in enumerate(tables)
-            for i in table[tracker.cursors[g] : min(len(table), confirmed // self.sizes[g])]
-            if self.storable(self.gpu.blocks[i])
+            for b in self.storable(
+                table[tracker.cursors[g] : min(len(table), confirmed // self.sizes[g])]
+            )
         ]
         return picked, [0] * len(tables), False
 
@@ -119,9 +125,8 @@ class AbandonedStoreRegisters(Connector):
     def store_done(self, event: int) -> None:
         copy = self.abandoned_stores.get(event)
         if copy is not None and event not in self.stores:
-            for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
-                if gpu_block.key is not None:
-                    self.publish(gpu_block, cpu_block)
+            keyed = [(g, c) for g, c in zip(copy.gpu, copy.cpu, strict=True) if self.gpu.key[g]]
+            self.publish(Copy([g for g, _ in keyed], [c for _, c in keyed]))
         super().store_done(event)
 
 
@@ -169,7 +174,7 @@ class LookupPinMissing(Connector):
     update_state_after_alloc() consumes them"): without it, a hit can be evicted and
     reused between the lookup and the load."""
 
-    def pin_hit(self, blocks: list[list[PoolBlock]]) -> None:
+    def pin_hit(self, blocks: list[list[int]]) -> None:
         return None
 
     def unpin_hit(self, hit: object) -> None:
@@ -189,7 +194,7 @@ class IntegritySpotCheck(Connector):
     reads only the first block of each group's hit, a common shortcut, lets a damaged block
     further in be loaded into the GPU."""
 
-    def verify(self, blocks: list[list[PoolBlock]]) -> list[PoolBlock]:
+    def verify(self, blocks: list[list[int]]) -> list[int]:
         return super().verify([group[:1] for group in blocks])
 
 

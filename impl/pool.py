@@ -1,86 +1,110 @@
-"""The block pool of the implementation: O(1) queue operations, the hash map, and
-registration with vLLM's ``_insert_block_hash`` guards.
+"""The block pool of the implementation, in array state: block ids are ints, ref counts,
+keys and key lengths are lists indexed by block id, the free queue is a linked list of
+ids in two int lists, and every operation takes a batch of ids.
 
-The free queue is an intrusive doubly linked list threaded through the blocks, with
-sentinel head and tail, so that touch, free, eviction and allocation are O(1) per block
-(the model uses a plain list). A key maps to an ordered dict of blocks.
+Keys are strings (:func:`make_key`), whose hash Python caches, so an index lookup costs a
+string comparison; :func:`block_key` turns one back into the shared
+:class:`~kvoffload.model.keys.BlockKey` for snapshots and messages. The free queue
+(:class:`FreeQueue`) is a linked list held in two int lists: touch, free, evict and allocate
+are O(1) per block, as vLLM's ``FreeKVCacheBlockQueue``, without a Python object per link,
+and a batch is taken or linked in one pass. The key
+index maps a key to its first holder; keys held by several blocks keep every holder, in
+registration order, in ``dups`` (as vLLM 0.34's ``_dup_ids``).
 
-Invariants kept (the same as the model's, see ``docs/spec.md``): POOL-QUEUE, POOL-MAP,
-POOL-PRIMARY for every block the pool itself registers, POOL-NULL, POOL-FRESH.
+Invariants kept (the same as the model's, see ``docs/spec.md``): POOL-QUEUE (a block is in
+the free queue exactly when its ref count is 0, the null block never), POOL-MAP (the index
+and ``dups`` hold exactly the keys registered on each block), POOL-PRIMARY for every block
+the pool itself registers, POOL-NULL (block 0 never takes a key), POOL-FRESH (an allocated
+block holds no key).
 """
 
 from __future__ import annotations
 
+import functools
+import itertools
 from collections.abc import Container, Iterable, Iterator, Sequence
 
 from kvoffload.model.keys import BlockKey
 
-
-class PoolBlock:
-    """A block and its free-list links; ``prev``/``next`` are None when not queued."""
-
-    __slots__ = ("block_id", "is_null", "key", "key_tokens", "next", "prev", "ref")
-
-    def __init__(self, block_id: int) -> None:
-        self.block_id = block_id
-        self.ref = 0
-        self.key: BlockKey | None = None
-        self.key_tokens: int | None = None
-        self.is_null = False
-        self.prev: PoolBlock | None = None
-        self.next: PoolBlock | None = None
+NULL = 0  # the null block's id in every pool
 
 
-class FreeList:
-    """Doubly linked free queue; the head is taken first."""
+def make_key(group: int, num_tokens: int, digest: str) -> str:
+    """The implementation's key for ``BlockKey(group, num_tokens, digest)``."""
+    return f"{group}:{num_tokens}:{digest}"
 
-    def __init__(self) -> None:
-        self._head = PoolBlock(-1)
-        self._tail = PoolBlock(-1)
-        self._head.next = self._tail
-        self._tail.prev = self._head
-        self.size = 0
 
-    def _link(self, block: PoolBlock, after: PoolBlock) -> None:
-        nxt = after.next
-        assert nxt is not None
-        block.prev, block.next = after, nxt
-        after.next = block
-        nxt.prev = block
-        self.size += 1
+@functools.lru_cache(maxsize=1 << 16)
+def block_key(key: str) -> BlockKey:
+    """The shared key a key string stands for."""
+    group, num_tokens, digest = key.split(":", 2)
+    return BlockKey(int(group), int(num_tokens), digest)
 
-    def push_back(self, block: PoolBlock) -> None:
-        prev = self._tail.prev
-        assert prev is not None
-        self._link(block, prev)
 
-    def push_front_all(self, blocks: Sequence[PoolBlock]) -> None:
-        """Insert ``blocks`` before the head, keeping their order."""
-        anchor = self._head
-        for block in blocks:
-            self._link(block, anchor)
-            anchor = block
+class FreeQueue:
+    """The free queue: a doubly linked list of block ids held in two int lists (``nxt`` and
+    ``prv``, indexed by block id, with sentinel slots for the head and the tail), so that a
+    batch is taken from the head or linked at either end in one pass over plain lists, and
+    a block leaves the middle in O(1). Which blocks are queued is the pool's business (those
+    whose ref count is 0, the null block aside): the queue keeps no flags of its own."""
 
-    def unlink(self, block: PoolBlock) -> None:
-        prev, nxt = block.prev, block.next
-        if prev is None or nxt is None:
-            raise ValueError(f"block {block.block_id} is not in the free queue")
-        prev.next, nxt.prev = nxt, prev
-        block.prev = block.next = None
+    def __init__(self, num_blocks: int) -> None:
+        self.head, self.tail = num_blocks, num_blocks + 1
+        # blocks 1 .. num_blocks - 1 in order, between the head and the tail
+        order = [self.head, *range(1, num_blocks), self.tail]
+        self.nxt = [-1] * (num_blocks + 2)
+        self.prv = [-1] * (num_blocks + 2)
+        for a, b in itertools.pairwise(order):
+            self.nxt[a] = b
+            self.prv[b] = a
+        self.size = num_blocks - 1
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __iter__(self) -> Iterator[int]:
+        nxt, b = self.nxt, self.nxt[self.head]
+        while b != self.tail:
+            yield b
+            b = nxt[b]
+
+    def take(self, n: int) -> list[int]:
+        """The first ``n`` blocks, unlinked."""
+        nxt = self.nxt
+        taken: list[int] = []
+        append = taken.append
+        b = nxt[self.head]
+        for _ in range(n):
+            append(b)
+            b = nxt[b]
+        nxt[self.head] = b
+        self.prv[b] = self.head
+        self.size -= n
+        return taken
+
+    def remove(self, block: int) -> None:
+        before, after = self.prv[block], self.nxt[block]
+        self.nxt[before] = after
+        self.prv[after] = before
         self.size -= 1
 
-    def pop_front(self) -> PoolBlock:
-        first = self._head.next
-        if first is None or first is self._tail:
-            raise ValueError("the free queue is empty")
-        self.unlink(first)
-        return first
+    def append(self, blocks: Sequence[int]) -> None:
+        """Link ``blocks`` at the tail, in order."""
+        self._link(self.prv[self.tail], blocks, self.tail)
 
-    def __iter__(self) -> Iterator[PoolBlock]:
-        node = self._head.next
-        while node is not None and node is not self._tail:
-            yield node
-            node = node.next
+    def prepend(self, blocks: Sequence[int]) -> None:
+        """Link ``blocks`` at the head, in order (the first is taken first)."""
+        self._link(self.head, blocks, self.nxt[self.head])
+
+    def _link(self, before: int, blocks: Sequence[int], after: int) -> None:
+        nxt, prv = self.nxt, self.prv
+        for b in blocks:
+            nxt[before] = b
+            prv[b] = before
+            before = b
+        nxt[before] = after
+        prv[after] = before
+        self.size += len(blocks)
 
 
 class Pool:
@@ -88,93 +112,165 @@ class Pool:
 
     def __init__(self, num_blocks: int, name: str) -> None:
         self.name = name
-        self.blocks = [PoolBlock(i) for i in range(num_blocks)]
-        self.free = FreeList()
-        for block in self.blocks[1:]:
-            self.free.push_back(block)
-        self.null = self.blocks[0]
-        self.null.is_null = True
-        self.index: dict[BlockKey, dict[int, PoolBlock]] = {}
-        self.extra_keys: dict[int, set[BlockKey]] = {}
+        self.num_blocks = num_blocks
+        self.ref = [0] * num_blocks
+        self.key: list[str | None] = [None] * num_blocks  # the primary key
+        self.key_tokens: list[int | None] = [None] * num_blocks
+        self.free = FreeQueue(num_blocks)
+        self.index: dict[str, int] = {}  # key -> its first holder
+        self.dups: dict[str, dict[int, None]] = {}  # key -> every holder, when several
+        self.extra_keys: dict[int, set[str]] = {}  # block -> its secondary keys
 
     @property
     def num_free(self) -> int:
-        return self.free.size
+        return len(self.free)
 
-    def find(self, key: BlockKey, skip: Container[int] = ()) -> PoolBlock | None:
-        """The first block registered under ``key`` (by insertion), ``skip``'s ids aside."""
-        holders = self.index.get(key)
-        if not holders:
-            return None
-        if not skip:
-            return next(iter(holders.values()))
-        return next((b for i, b in holders.items() if i not in skip), None)
+    # -- the key index --------------------------------------------------------------------
 
-    def has(self, key: BlockKey, block_id: int) -> bool:
-        holders = self.index.get(key)
-        return holders is not None and block_id in holders
+    def find(self, key: str, skip: Container[int] = ()) -> int | None:
+        """The first block registered under ``key`` (by registration), ``skip``'s aside."""
+        if not skip or key not in self.dups:
+            found = self.index.get(key)
+            return None if found is None or found in skip else found
+        return next((b for b in self.dups[key] if b not in skip), None)
 
-    def register(self, key: BlockKey, block: PoolBlock, tokens: int | None) -> None:
+    def holders(self, key: str) -> tuple[int, ...]:
+        """Every block registered under ``key``, in registration order."""
+        several = self.dups.get(key)
+        if several is not None:
+            return tuple(several)
+        found = self.index.get(key)
+        return () if found is None else (found,)
+
+    def has(self, key: str, block: int) -> bool:
+        several = self.dups.get(key)
+        if several is not None:
+            return block in several
+        return self.index.get(key) == block
+
+    def register(self, key: str, block: int, tokens: int | None) -> None:
         """vLLM's ``_insert_block_hash``: a no-op when the block is stamped with ``key``
         (guard 1) or already mapped by it (guard 2); primary if unkeyed, else secondary."""
-        if block.key == key or self.has(key, block.block_id):
+        own = self.key[block]
+        if own is None and block not in self.extra_keys:  # a block with no key at all
+            self.key[block] = key
+            self.key_tokens[block] = tokens
+            if key not in self.index:
+                self.index[key] = block
+                return
+        elif own == key or self.has(key, block):
             return
-        if block.key is None:
-            block.key, block.key_tokens = key, tokens
+        elif own is None:
+            self.key[block] = key
+            self.key_tokens[block] = tokens
         else:
-            self.extra_keys.setdefault(block.block_id, set()).add(key)
-        self.index.setdefault(key, {})[block.block_id] = block
+            self.extra_keys.setdefault(block, set()).add(key)
+        self._map(key, block)
 
-    def drop_keys(self, block: PoolBlock) -> None:
+    def register_full(
+        self, keys: Sequence[str], blocks: Sequence[int], first_tokens: int, size: int
+    ) -> None:
+        """A request's consecutive full blocks: ``keys[i]`` becomes the primary of
+        ``blocks[i]``, covering ``first_tokens + i * size`` tokens; a block still holding
+        keys (a partial block's prompt-boundary key) drops them first."""
+        own, own_tokens, index, extra = self.key, self.key_tokens, self.index, self.extra_keys
+        tokens = first_tokens
+        for key, block in zip(keys, blocks, strict=True):
+            if own[block] is not None or (extra and block in extra):
+                self.drop_keys(block)
+            own[block] = key
+            own_tokens[block] = tokens
+            tokens += size
+            if key in index:
+                self._map(key, block)
+            else:
+                index[key] = block
+
+    def _map(self, key: str, block: int) -> None:
+        first = self.index.get(key)
+        if first is None:
+            self.index[key] = block
+        else:
+            self.dups.setdefault(key, {first: None})[block] = None
+
+    def _unmap(self, key: str, block: int) -> None:
+        several = self.dups.get(key)
+        if several is None:
+            if self.index.get(key) == block:
+                del self.index[key]
+            return
+        several.pop(block, None)
+        if len(several) == 1:
+            del self.dups[key]
+        self.index[key] = next(iter(several))
+
+    def drop_keys(self, block: int) -> None:
         """Unmap every key of ``block`` and clear its primary."""
-        keys = self.extra_keys.pop(block.block_id, set())
-        if block.key is not None:
-            keys.add(block.key)
+        keys = self.extra_keys.pop(block, set())
+        primary = self.key[block]
+        if primary is not None:
+            keys.add(primary)
         for key in keys:
-            holders = self.index.get(key)
-            if holders is not None and block.block_id in holders:
-                del holders[block.block_id]
-                if not holders:
-                    del self.index[key]
-        block.key = block.key_tokens = None
+            self._unmap(key, block)
+        self.key[block] = self.key_tokens[block] = None
 
-    def allocate(self, n: int) -> list[PoolBlock]:
-        if n > self.free.size:
-            raise ValueError(f"{self.name} pool: cannot get {n} free blocks, {self.free.size} free")
-        taken = [self.free.pop_front() for _ in range(n)]
+    # -- the free queue -------------------------------------------------------------------
+
+    def allocate(self, n: int) -> list[int]:
+        """``n`` blocks from the head of the free queue, their keys dropped, ref count 1."""
+        if n > len(self.free):
+            raise ValueError(f"{self.name} pool: cannot get {n} free blocks, {len(self.free)} free")
+        taken = self.free.take(n)
+        key, ref, extra = self.key, self.ref, self.extra_keys
         for block in taken:
-            self.drop_keys(block)
-            block.ref = 1
+            ref[block] = 1
+            if key[block] is not None or (extra and block in extra):
+                self.drop_keys(block)  # an evicted block leaves the index
         return taken
 
-    def pin(self, blocks: Iterable[PoolBlock]) -> None:
+    def pin(self, blocks: Iterable[int]) -> None:
+        """Take one ref of each block; a free block leaves the free queue (vLLM's touch)."""
+        ref = self.ref
+        nxt, prv = self.free.nxt, self.free.prv
+        unlinked = 0
         for block in blocks:
-            if block.ref == 0 and not block.is_null:
-                self.free.unlink(block)
-            block.ref += 1
+            count = ref[block]
+            if count == 0 and block != NULL:
+                before, after = prv[block], nxt[block]  # FreeQueue.remove, inlined
+                nxt[before] = after
+                prv[after] = before
+                unlinked += 1
+            ref[block] = count + 1
+        self.free.size -= unlinked
 
-    def release(self, blocks: Iterable[PoolBlock]) -> None:
-        reuse_first: list[PoolBlock] = []
+    def release(self, blocks: Iterable[int]) -> None:
+        """Drop one ref of each block; a block whose count reaches 0 goes to the back of the
+        free queue, or to the front, in order, when it holds no key (reused first)."""
+        ref, key = self.ref, self.key
+        back: list[int] = []
+        reuse_first: list[int] = []
         for block in blocks:
-            block.ref -= 1
-            if block.ref == 0 and not block.is_null:
-                if block.key is None:
-                    reuse_first.append(block)
-                else:
-                    self.free.push_back(block)
-        self.free.push_front_all(reuse_first)
+            count = ref[block] - 1
+            ref[block] = count
+            if count == 0 and block != NULL:
+                (back if key[block] is not None else reuse_first).append(block)
+        if back:
+            self.free.append(back)
+        if reuse_first:
+            self.free.prepend(reuse_first)
 
     def clear_cache(self) -> bool:
-        if self.free.size != len(self.blocks) - 1:
+        if len(self.free) != self.num_blocks - 1:
             return False
         self.index = {}
+        self.dups = {}
         self.extra_keys = {}
-        for block in self.blocks:
-            block.key = block.key_tokens = None
+        self.key = [None] * self.num_blocks
+        self.key_tokens = [None] * self.num_blocks
         return True
 
-    def ids(self, blocks: Iterable[PoolBlock]) -> list[int]:
-        return [b.block_id for b in blocks]
+    # -- reading --------------------------------------------------------------------------
 
-    def at(self, ids: Iterable[int]) -> list[PoolBlock]:
-        return [self.blocks[i] for i in ids]
+    def keyed(self) -> list[int]:
+        """The blocks holding a primary key, in id order."""
+        return [b for b, key in enumerate(self.key) if key is not None]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from kvoffload.impl.connector import Copy, Load
 from kvoffload.impl.engine import ImplEngine
-from kvoffload.impl.pool import Pool
+from kvoffload.impl.pool import Pool, block_key
+from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import (
     BlockView,
     LoadView,
@@ -17,26 +18,35 @@ from kvoffload.model.snapshot import (
 
 
 def pool_view(pool: Pool) -> PoolView:
+    extra = pool.extra_keys
+    keys: dict[str, BlockKey] = {}
+
+    def shared(key: str) -> BlockKey:
+        found = keys.get(key)
+        if found is None:
+            found = keys[key] = block_key(key)
+        return found
+
     return PoolView(
         blocks=tuple(
             BlockView(
-                b.block_id,
-                b.ref,
-                b.key,
-                b.key_tokens,
-                tuple(sorted(pool.extra_keys.get(b.block_id, ()))),
+                b,
+                pool.ref[b],
+                None if pool.key[b] is None else shared(pool.key[b]),  # type: ignore[arg-type]
+                pool.key_tokens[b],
+                tuple(sorted(shared(k) for k in extra[b])) if b in extra else (),
             )
-            for b in pool.blocks
+            for b in range(pool.num_blocks)
         ),
-        free_queue=tuple(b.block_id for b in pool.free),
-        cached=tuple((key, tuple(holders)) for key, holders in sorted(pool.index.items())),
+        free_queue=tuple(pool.free),
+        cached=tuple(
+            sorted((shared(key), pool.holders(key)) for key in pool.index),
+        ),
     )
 
 
 def _copy(event: int | None, copy: Copy) -> TransferView:
-    return TransferView(
-        event, tuple(b.block_id for b in copy.gpu), tuple(b.block_id for b in copy.cpu)
-    )
+    return TransferView(event, tuple(copy.gpu), tuple(copy.cpu))
 
 
 def _load(load: Load) -> LoadView:
@@ -78,7 +88,7 @@ def take_snapshot(engine: ImplEngine) -> Snapshot:
         loads=tuple(_load(x) for _, x in sorted(c.loads.items())),
         abandoned_loads=tuple(_load(x) for _, x in sorted(c.abandoned_loads.items())),
         pending_hits=tuple(
-            (rid, tuple(b.block_id for g in h.blocks for b in g), h.length)
+            (rid, tuple(b for g in h.blocks for b in g), h.length)
             for rid, h in sorted(c.hits.items())
         ),
         load_event_to_reqs=tuple((e, tuple(r)) for e, r in sorted(c.load_events.items())),

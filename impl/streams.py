@@ -7,11 +7,15 @@ memory and the emulation keeps the two properties the offload path depends on:
   only when a marker recorded after them is waited on, or when they are more than ``lag``
   steps old (as a GPU running behind an asynchronous scheduler), so a copy that does not
   wait for compute reads stale bytes (the race of vLLM #45704);
-- copies run on a copy thread, loads before stores, so completion order is not issue
-  order; a caller polls or waits for one given transfer.
+- copies run on a copy engine, loads before stores, so completion order is not issue
+  order; a caller polls or waits for one given transfer. :class:`CopyThread` runs them on
+  a background thread, as a DMA engine beside the scheduler; :class:`InlineCopies`, the
+  engine of lockstep mode, runs them on the caller's thread when the step's submissions
+  are done, when one is waited for, or when the engine is drained, in the same order.
 
-Old compute work is run only after the copy thread is drained, so whether a copy saw a
-write never depends on thread timing: the emulation is deterministic.
+Old compute work is run only after the copy engine is drained, so whether a copy saw a
+write never depends on thread timing: both engines are deterministic, and give the same
+bytes.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import itertools
 import threading
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Protocol
 
 
 class ComputeStream:
@@ -74,10 +79,46 @@ class ComputeStream:
 
 
 class CopyJob:
-    def __init__(self, run: Callable[[], None]) -> None:
+    """One copy: ``finished`` once it has run; ``signal`` (the thread's engine only) is set
+    then too, for whoever blocks on it."""
+
+    def __init__(self, run: Callable[[], None], signal: threading.Event | None = None) -> None:
         self.run = run
-        self.done = threading.Event()
+        self.finished = False
+        self.signal = signal
         self.error: BaseException | None = None
+
+    def execute(self) -> None:
+        try:
+            self.run()
+        except BaseException as error:  # reported to whoever waits for the job
+            self.error = error
+        self.finished = True
+        if self.signal is not None:
+            self.signal.set()
+        # The closure holds the worker: a finished job must not keep it alive.
+        self.run = _nothing
+
+    def result(self) -> None:
+        """Raise what the copy raised, if anything (call once it is done)."""
+        if self.error is not None:
+            raise self.error
+
+
+def _nothing() -> None:
+    return None
+
+
+class CopyEngine(Protocol):
+    """Where a worker's copies run: :class:`CopyThread` or :class:`InlineCopies`."""
+
+    LOAD: int
+    STORE: int
+
+    def submit(self, priority: int, run: Callable[[], None]) -> CopyJob: ...
+    def wait(self, job: CopyJob) -> None: ...
+    def drain(self) -> None: ...
+    def stop(self) -> None: ...
 
 
 class CopyThread:
@@ -96,7 +137,7 @@ class CopyThread:
         self._thread.start()
 
     def submit(self, priority: int, run: Callable[[], None]) -> CopyJob:
-        job = CopyJob(run)
+        job = CopyJob(run, threading.Event())
         with self._cv:
             if self._stopping:
                 raise RuntimeError("the copy engine is stopped")
@@ -119,6 +160,12 @@ class CopyThread:
             while self._unfinished:
                 self._cv.wait()
 
+    def wait(self, job: CopyJob) -> None:
+        """Block until ``job`` has run; raise what it raised."""
+        assert job.signal is not None, "a job of another engine"
+        job.signal.wait()
+        job.result()
+
     def _loop(self) -> None:
         while True:
             with self._cv:
@@ -127,13 +174,45 @@ class CopyThread:
                 if not self._heap:
                     return  # stopping, and every job has run
                 _, _, job = heapq.heappop(self._heap)
-            try:
-                job.run()
-            except BaseException as error:  # reported to whoever waits for the job
-                job.error = error
-            job.done.set()
-            # The job's closure holds the worker: the idle thread must not keep it alive.
+            job.execute()
+            # The idle thread must not keep the last job (and its worker) alive.
             del job
             with self._cv:
                 self._unfinished -= 1
                 self._cv.notify_all()
+
+
+class InlineCopies:
+    """The copy engine of lockstep mode: no thread. Jobs queue as they are submitted and run
+    on the caller's thread, loads before stores and otherwise in submission order, when the
+    worker's step has submitted everything (:meth:`drain`), or as far as needed when one of
+    them is waited for. So every copy of a step has completed when the step returns, and the
+    order and the bytes are those of :class:`CopyThread`. :meth:`stop` runs what is queued."""
+
+    LOAD, STORE = CopyThread.LOAD, CopyThread.STORE
+
+    def __init__(self) -> None:
+        self._heap: list[tuple[int, int, CopyJob]] = []
+        self._order = itertools.count()
+        self._stopped = False
+
+    def submit(self, priority: int, run: Callable[[], None]) -> CopyJob:
+        if self._stopped:
+            raise RuntimeError("the copy engine is stopped")
+        job = CopyJob(run)
+        heapq.heappush(self._heap, (priority, next(self._order), job))
+        return job
+
+    def wait(self, job: CopyJob) -> None:
+        """Run queued jobs in their order until ``job`` has run; raise what it raised."""
+        while not job.finished:
+            heapq.heappop(self._heap)[2].execute()
+        job.result()
+
+    def drain(self) -> None:
+        while self._heap:
+            heapq.heappop(self._heap)[2].execute()
+
+    def stop(self) -> None:
+        self.drain()
+        self._stopped = True

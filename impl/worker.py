@@ -26,7 +26,7 @@ import torch
 
 from kvoffload.impl.content import INITIAL_SEED, checksum, token_bytes, token_seeds
 from kvoffload.impl.copy import copy_blocks
-from kvoffload.impl.streams import ComputeStream, CopyJob, CopyThread
+from kvoffload.impl.streams import ComputeStream, CopyEngine, CopyJob, CopyThread, InlineCopies
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import DataIntegrityError
 
@@ -44,21 +44,26 @@ class KVLayout:
 class Transfer:
     """One submitted copy: poll with ``done()``, block with ``wait()``."""
 
-    def __init__(self, job: CopyJob | None = None, event: torch.cuda.Event | None = None) -> None:
+    def __init__(
+        self,
+        job: CopyJob | None = None,
+        engine: CopyEngine | None = None,
+        event: torch.cuda.Event | None = None,
+    ) -> None:
         self._job = job
+        self._engine = engine
         self._event = event
 
     def done(self) -> bool:
         if self._job is not None:
-            return self._job.done.is_set()
+            return self._job.finished
         assert self._event is not None
         return bool(self._event.query())
 
     def wait(self) -> None:
         if self._job is not None:
-            self._job.done.wait()
-            if self._job.error is not None:
-                raise self._job.error
+            assert self._engine is not None
+            self._engine.wait(self._job)
         else:
             assert self._event is not None
             self._event.synchronize()
@@ -68,9 +73,15 @@ class Worker:
     """One rank's KV cache and copy engine."""
 
     def __init__(
-        self, config: OffloadConfig, layout: KVLayout, rank: int, device: torch.device
+        self,
+        config: OffloadConfig,
+        layout: KVLayout,
+        rank: int,
+        device: torch.device,
+        lockstep: bool = False,
     ) -> None:
         self.config = config
+        self.lockstep = lockstep
         self.layout = layout
         self.rank = rank
         self.device = device
@@ -99,14 +110,15 @@ class Worker:
             self.copy_stream = torch.cuda.Stream(device=device, priority=0)
         else:
             self.compute = ComputeStream(layout.compute_lag)
-            self.copier = CopyThread()
+            self.copier: CopyEngine = InlineCopies() if lockstep else CopyThread()
             # The thread holds no reference to the worker: a worker dropped without close()
             # still stops its thread when it is collected (issue 16: threads leaked, ~276
             # per 100 programs, and slowed every later example).
             self._stop_copier = weakref.finalize(self, self.copier.stop)
 
     def close(self) -> None:
-        """Stop the copy thread (idempotent); the worker takes no more transfers."""
+        """Stop the copy engine (idempotent): its thread ends once the copies submitted so
+        far have run; the worker takes no more transfers."""
         if not self.cuda:
             self._stop_copier()
 
@@ -123,6 +135,16 @@ class Worker:
         if not self.cuda:
             self.copier.drain()
             self.compute.next_step()
+
+    def end_step(self) -> None:
+        """The step has submitted its copies. In lockstep mode they complete now, in the
+        copy engine's order (loads first), so that every report is due when it returns."""
+        if not self.lockstep:
+            return
+        if self.cuda:
+            self.copy_stream.synchronize()
+        else:
+            self.copier.drain()
 
     def seeds(self, request_id: str, tokens: Sequence[int]) -> list[int]:
         known = self._seeds.setdefault(request_id, [])
@@ -206,8 +228,8 @@ class Worker:
             for src, dst in pairs:
                 copy_blocks(src, dst, src_ids, dst_ids)
 
-        priority = CopyThread.LOAD if to_device else CopyThread.STORE
-        return Transfer(job=self.copier.submit(priority, run))
+        priority = self.copier.LOAD if to_device else self.copier.STORE
+        return Transfer(job=self.copier.submit(priority, run), engine=self.copier)
 
     def wait_store(self, event: int) -> None:
         """Block until this worker's copy of store ``event`` is done (at once if it was

@@ -57,11 +57,15 @@ Adapter = Callable[[OffloadConfig], Target]
 
 def adapters() -> dict[str, Adapter]:
     """``impl`` (host memory), ``impl-cuda`` where CUDA is present, ``fault:NAME`` for every
-    fault of the catalogue (host memory), and ``vllm`` where vLLM imports (a release
-    environment of ``kvoffload install``)."""
-    known: dict[str, Adapter] = {"impl": lambda config: OffloadImpl(config, device="cpu")}
+    fault of the catalogue (host memory), all in lockstep mode, and ``vllm`` where vLLM
+    imports (a release environment of ``kvoffload install``)."""
+    # Lockstep mode: each step's copies complete before it returns, on this thread, in the
+    # copy engine's order, so that a program replays alike and starts no thread.
+    known: dict[str, Adapter] = {
+        "impl": lambda config: OffloadImpl(config, device="cpu", lockstep=True)
+    }
     if torch.cuda.is_available():
-        known["impl-cuda"] = lambda config: OffloadImpl(config, device="cuda")
+        known["impl-cuda"] = lambda config: OffloadImpl(config, device="cuda", lockstep=True)
     for name in FAULTS:
         known[f"fault:{name}"] = _faulty(name)
     if importlib.util.find_spec("vllm") is not None:
@@ -105,7 +109,7 @@ def expected_variant(adapter_name: str) -> str:
 
 
 def _faulty(name: str) -> Adapter:
-    return lambda config: OffloadImpl(config, faults=[name], device="cpu")
+    return lambda config: OffloadImpl(config, faults=[name], device="cpu", lockstep=True)
 
 
 def default_adapter() -> str:

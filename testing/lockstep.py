@@ -158,14 +158,16 @@ def first_disagreement(
     device: str | None = None,
     adapter: str | None = None,
     variant: str | None = None,
+    lockstep: bool = True,
 ) -> str | None:
     """None when the implementation conforms on ``program``; else what differed first.
     ``adapter`` names another target (``kvoffload.testing.adapters``), compared with
-    ``variant`` of the model (default: the variant it is expected to match)."""
+    ``variant`` of the model (default: the variant it is expected to match). The
+    implementation runs in lockstep mode unless ``lockstep`` is False (copies on a thread)."""
     factory: Callable[[OffloadConfig], Target] = (
         adapters()[adapter]
         if adapter is not None
-        else lambda c: OffloadImpl(c, faults=faults, device=device)
+        else lambda c: OffloadImpl(c, faults=faults, device=device, lockstep=lockstep)
     )
     return disagreement(factory, variant or expected_variant(adapter or "impl"), config, program)
 

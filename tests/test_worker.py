@@ -77,11 +77,11 @@ def test_a_corrupted_host_block_is_never_loaded() -> None:
     impl = OffloadImpl(cfg(5), device="cpu")
     for call in STORE_THEN_EVICT[:-1]:
         apply(impl, call)
-    first, second = [b.block_id for b in impl.connector.cpu.blocks if b.key is not None][:2]
+    first, second = impl.connector.cpu.keyed()[:2]
     impl.workers[0].cpu_kv[0][1][second, 5] ^= 0xFF
     result = impl.step(64)
     assert result.metadata.load_cpu_blocks == (first,)
-    assert impl.connector.cpu.blocks[second].key is None
+    assert impl.connector.cpu.key[second] is None
     impl.complete_load(result.metadata.load_event)
     assert impl.data_mismatches() == []
     impl.close()
@@ -93,7 +93,7 @@ def test_a_load_of_a_block_that_fails_its_checksum_is_refused() -> None:
     impl = OffloadImpl(cfg(5), device="cpu")
     for call in STORE_THEN_EVICT[:-1]:
         apply(impl, call)
-    block = next(b.block_id for b in impl.connector.cpu.blocks if b.key is not None)
+    block = impl.connector.cpu.keyed()[0]
     worker = impl.workers[0]
     worker.cpu_kv[0][1][block, 5] ^= 0xFF
     with pytest.raises(DataIntegrityError, match=f"cpu block {block} does not match"):
@@ -105,7 +105,7 @@ def test_without_checksums_the_corruption_reaches_the_device() -> None:
     impl = OffloadImpl(cfg(5), layout=KVLayout(checksums=False), device="cpu")
     for call in STORE_THEN_EVICT[:-1]:
         apply(impl, call)
-    block = next(b.block_id for b in impl.connector.cpu.blocks if b.key is not None)
+    block = impl.connector.cpu.keyed()[0]
     impl.workers[0].cpu_kv[0][1][block, 5] ^= 0xFF
     impl.step(64)
     impl.complete_load(0)
@@ -125,8 +125,9 @@ def test_loads_run_before_earlier_stores_on_the_copy_thread() -> None:
     load = copier.submit(CopyThread.LOAD, lambda: order.append("load"))
     gate.set()
     for job in (blocker, store, load):
-        job.done.wait(5)
+        copier.wait(job)
     assert order == ["load", "store"]
+    copier.stop()
 
 
 def test_a_failed_copy_is_raised_to_whoever_waits_for_it() -> None:
