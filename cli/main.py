@@ -105,9 +105,16 @@ def build_parser() -> Parser:
         choices=sorted(VARIANTS),
         help="the model variant to run (default: fixed)",
     )
-    bench = sub.add_parser("bench", help="measure copy bandwidth and scheduler cost")
+    bench = sub.add_parser(
+        "bench",
+        help="measure copy bandwidth, scheduler cost (beside vLLM's when installed) and "
+        "lockstep throughput",
+    )
     bench.add_argument(
         "--output", type=output_file, help="also write the markdown report to this file"
+    )
+    bench.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write every figure as JSON"
     )
     bench.add_argument("--quick", action="store_true", help="a small, fast subset")
     prove = sub.add_parser("prove", help="check the z3 proofs of the model's invariants")
@@ -298,6 +305,13 @@ def _run(args: argparse.Namespace) -> int:
     if args.command == "bench":
         from kvoffload.impl.bench import run_bench
         from kvoffload.testing.throughput import bench_section
+        from kvoffload.upstream.schedbench import vllm_scheduler_cost
 
-        return run_bench(args.output, args.quick, bench_section(args.quick))
+        return run_bench(
+            args.output,
+            args.json,
+            args.quick,
+            vllm=vllm_scheduler_cost,
+            lockstep=lambda: bench_section(args.quick),
+        )
     return 2

@@ -1,38 +1,70 @@
-"""``kvoffload bench``: copy bandwidth and scheduler cost, written as a markdown report.
+"""``kvoffload bench``: copy bandwidth, scheduler cost and lockstep throughput, each against
+the limit or the reference its target is stated for, written as a markdown report and, with
+``--json FILE``, as JSON.
 
-Copy bandwidth: for each block size and batch, the worker's copy path
-(:func:`~kvoffload.impl.copy.copy_blocks`) against one contiguous copy of the same bytes
-between the same two memories (the limit) and a naive loop of one copy per block. Source
-ids are sequential (a long prompt stored into fresh blocks) or scattered (a deterministic
-permutation, as blocks freed in LRU order); destinations are consecutive. Directions
-device->host and host->device; on CUDA both pinned and pageable host memory.
+Copy bandwidth: for each block size and batch, the worker's copy path (a
+:class:`~kvoffload.impl.copy.CopyPlan` built for the batch and run over one tensor: what one
+group of a transfer costs) against the limit. Without a GPU both memories are host memory and
+the limit is a ``memmove`` of the same number of bytes (one call of the C library's, through
+``ctypes``); on CUDA it is the peak of one large ``cudaMemcpyAsync`` (a contiguous
+``copy_(non_blocking=True)`` of 256 MiB) between the same two memories, pinned or pageable.
+Each figure is the best of interleaved runs (limit, path, and for reference one contiguous
+torch copy and a loop of one copy per block, taken in turn). Source ids are sequential (a
+long prompt stored into fresh blocks) or scattered (a fixed permutation, as blocks freed in
+LRU order); destinations are consecutive. Directions device->host and host->device.
 
 Scheduler cost: a 40K-token prompt through compute, eager stores, finish and final flush,
-lookup and load, with the scheduler alone (no tensors), per block, at pool sizes 10^3 to
-10^6 blocks. Speed is measured here, never asserted in tests.
+lookup and load, with the scheduler alone (no tensors), per block, at pool sizes 10^3 to 10^6
+blocks, in 64- and 16-token blocks; the same trace through vLLM's own
+``SimpleCPUOffloadScheduler`` when a caller passes a way to run it
+(:func:`kvoffload.upstream.schedbench.vllm_scheduler_cost`). Speed is measured here, never
+asserted in tests.
 """
 
 from __future__ import annotations
 
+import ctypes
 import gc
+import json
 import os
 import platform
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 
-from kvoffload.impl.copy import copy_blocks
+from kvoffload.impl.copy import CopyPlan, rows
 from kvoffload.impl.driver import OffloadImpl, default_device
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.types import NO_EVENT, StepResult
 
 KIB = 1024
+MIB = 1024 * KIB
 BLOCK_SIZES = [16 * KIB, 64 * KIB, 256 * KIB, 1024 * KIB, 4096 * KIB]
 BATCHES = [1, 8, 64, 256, 1024]
+MAX_BYTES = 1024 * MIB  # per tensor: larger batches of large blocks are not run (memory)
+PEAK_BYTES = 256 * MIB  # the one large copy whose rate is the CUDA limit
+SCHEDULER_BLOCK_SIZES = [64, 16]
 POOL_SIZES = [10**3, 10**4, 10**5, 10**6]
+PROMPT_TOKENS = 40_000
+STEP_TOKENS = 8192  # token budget of each step of the scheduler trace
+PHASES = (  # of the scheduler trace, in order; vLLM's side times the same ones
+    "compute, store selection, finish",
+    "store completion",
+    "flush submission",
+    "CPU lookup",
+    "lookup, pin, load setup",
+    "load completion",
+)
+
+# The targets of issue 15 (docs/performance.md).
+COPY_TARGET = 0.9  # batched / memmove, 16 KiB to 4 MiB blocks, batches 8 to 1024, scattered
+CUDA_COPY_TARGET = 0.85  # pinned host<->device, batched / one large cudaMemcpyAsync
+SCHEDULER_TARGET = 0.5  # implementation / vLLM 0.34.0, per block
+FLAT_TARGET = 1.5  # largest / smallest per-block cost over the pool sizes
 
 
 @dataclass(frozen=True)
@@ -42,9 +74,20 @@ class CopyResult:
     block_bytes: int
     batch: int
     pattern: str
-    contiguous_gbps: float
+    limit_gbps: float
     batched_gbps: float
+    contiguous_gbps: float
     naive_gbps: float
+    block_memmove_gbps: float | None  # the C library's memmove, block by block (host only)
+
+    @property
+    def ratio(self) -> float:
+        """The worker's path against the limit."""
+        return self.batched_gbps / self.limit_gbps
+
+    def in_target(self) -> bool:
+        """Whether the issue's copy target covers this case."""
+        return self.pattern == "scattered" and self.batch >= 8 and self.host != "pageable"
 
 
 def _sync(device: torch.device) -> None:
@@ -52,67 +95,130 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _best_seconds(fn: Callable[[], None], device: torch.device, budget_s: float) -> float:
-    fn()
-    _sync(device)
-    best = float("inf")
-    deadline = time.perf_counter() + budget_s
-    for _ in range(50):
-        start = time.perf_counter()
+def best_seconds(
+    fns: Sequence[Callable[[], None]], device: torch.device, budget_s: float
+) -> list[float]:
+    """Best time of each function, run in turn (so that the machine's load falls on all
+    alike) until ``budget_s`` has passed, at least three rounds, at most 50."""
+    best = [float("inf")] * len(fns)
+    for fn in fns:  # warm-up: first touches, allocator, caches
         fn()
-        _sync(device)
-        best = min(best, time.perf_counter() - start)
-        if time.perf_counter() > deadline:
+    _sync(device)
+    deadline = time.perf_counter() + budget_s
+    for round_ in range(50):
+        for i, fn in enumerate(fns):
+            start = time.perf_counter()
+            fn()
+            _sync(device)
+            best[i] = min(best[i], time.perf_counter() - start)
+        if round_ >= 2 and time.perf_counter() > deadline:
             break
     return best
 
 
-def _rates(
+def cuda_peak(device: torch.device, pinned: bool, to_device: bool, budget_s: float) -> float:
+    """GB/s of one large contiguous copy between host (pinned or not) and device memory."""
+    host = torch.ones(PEAK_BYTES, dtype=torch.uint8, pin_memory=pinned)
+    dev = torch.empty(PEAK_BYTES, dtype=torch.uint8, device=device)
+    src, dst = (host, dev) if to_device else (dev, host)
+
+    def copy() -> None:
+        dst.copy_(src, non_blocking=True)
+
+    (seconds,) = best_seconds([copy], device, budget_s)
+    return PEAK_BYTES / seconds / 1e9
+
+
+def copy_case(
     src: torch.Tensor,
     dst: torch.Tensor,
     src_ids: list[int],
-    dst_ids: list[int],
     device: torch.device,
     budget_s: float,
-) -> tuple[float, float, float]:
-    """GB/s of the contiguous limit, the worker's batched path, and a per-block loop."""
+    peak_gbps: float | None,
+) -> tuple[float, float, float, float, float | None]:
+    """GB/s of the limit, the worker's batched path, one contiguous torch copy, a loop of one
+    torch copy per block and (host memory only) a loop of one memmove per block, copying
+    blocks ``src_ids`` of ``src`` into ``dst``'s first rows."""
     n = len(src_ids)
-    nbytes = n * src.shape[1]
-
-    def contiguous() -> None:
-        dst[n : 2 * n].copy_(src[:n], non_blocking=True)
+    row = dst[0].numel() * dst.element_size()
+    nbytes = n * row
+    dst_ids = list(range(n))
+    src_rows, dst_rows = rows(src), rows(dst)  # the worker keeps these views beside its KV
 
     def batched() -> None:
-        copy_blocks(src, dst, src_ids, dst_ids)
+        CopyPlan(src_ids, dst_ids, src.device, dst.device).run_rows(src_rows, dst_rows)
+
+    def contiguous() -> None:
+        dst[:n].copy_(src[:n], non_blocking=True)
 
     def naive() -> None:
         for s, d in zip(src_ids, dst_ids, strict=True):
             dst[d].copy_(src[s], non_blocking=True)
 
-    c, b, v = (
-        nbytes / _best_seconds(fn, device, budget_s) / 1e9 for fn in (contiguous, batched, naive)
-    )
-    return c, b, v
+    fns: list[Callable[[], None]] = [batched, contiguous, naive]
+    if peak_gbps is None:  # both in host memory: the C library's memmove is the limit
+        src_ptr, dst_ptr = src.data_ptr(), dst.data_ptr()
+        sources = [src_ptr + i * row for i in src_ids]
+        targets = [dst_ptr + i * row for i in dst_ids]
+
+        def limit() -> None:
+            ctypes.memmove(dst_ptr, src_ptr, nbytes)
+
+        def block_memmove() -> None:
+            for target, source in zip(targets, sources, strict=True):
+                ctypes.memmove(target, source, row)
+
+        fns += [limit, block_memmove]
+    seconds = best_seconds(fns, device, budget_s)
+    rates = [nbytes / s / 1e9 for s in seconds]
+    if peak_gbps is not None:
+        return peak_gbps, rates[0], rates[1], rates[2], None
+    return rates[3], rates[0], rates[1], rates[2], rates[4]
 
 
 def copy_bandwidth(
     device: torch.device,
     block_sizes: Sequence[int] = BLOCK_SIZES,
     batches: Sequence[int] = BATCHES,
-    max_bytes: int = 256 * 1024 * KIB,
+    max_bytes: int = MAX_BYTES,
     budget_s: float = 0.3,
 ) -> list[CopyResult]:
+    # One intra-op thread, as the memmove it is held to: on a small shared machine a copy
+    # split over every core waits for the busiest of them (milliseconds, not microseconds).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _copy_bandwidth(device, block_sizes, batches, max_bytes, budget_s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _copy_bandwidth(
+    device: torch.device,
+    block_sizes: Sequence[int],
+    batches: Sequence[int],
+    max_bytes: int,
+    budget_s: float,
+) -> list[CopyResult]:
     results: list[CopyResult] = []
-    hosts = ["pinned", "pageable"] if device.type == "cuda" else ["host"]
+    cuda = device.type == "cuda"
+    hosts = ["pinned", "pageable"] if cuda else ["host"]
+    peaks = {
+        (host, to_device): cuda_peak(device, host == "pinned", to_device, budget_s)
+        for host in hosts
+        for to_device in (False, True)
+        if cuda
+    }
     for block_bytes in block_sizes:
         for batch in batches:
             if block_bytes * batch > max_bytes:
                 continue
-            dev = torch.randint(0, 255, (2 * batch, block_bytes), dtype=torch.uint8, device=device)
+            dev = torch.empty(batch, block_bytes, dtype=torch.uint8, device=device).fill_(7)
             for host_kind in hosts:
-                host = torch.zeros(
-                    2 * batch, block_bytes, dtype=torch.uint8, pin_memory=host_kind == "pinned"
-                )
+                host = torch.zeros(batch, block_bytes, dtype=torch.uint8)
+                if host_kind == "pinned":
+                    host = host.pin_memory()
                 for direction, src, dst in (
                     ("device->host", dev, host),
                     ("host->device", host, dev),
@@ -121,20 +227,32 @@ def copy_bandwidth(
                         src_ids = list(range(batch))
                         if pattern == "scattered":
                             random.Random(batch).shuffle(src_ids)
-                        rates = _rates(
-                            src, dst, src_ids, list(range(batch, 2 * batch)), device, budget_s
-                        )
+                        peak = peaks.get((host_kind, direction == "host->device"))
+                        rates = copy_case(src, dst, src_ids, device, budget_s, peak)
                         results.append(
                             CopyResult(direction, host_kind, block_bytes, batch, pattern, *rates)
                         )
+                del host
+            del dev
+            gc.collect()
     return results
 
 
 @dataclass(frozen=True)
 class SchedulerResult:
+    block_size: int
     pool_blocks: int
     blocks: int
     us_per_block: dict[str, float]
+
+    @property
+    def total(self) -> float:
+        return sum(self.us_per_block.values())
+
+
+def trace_prompt(prompt_tokens: int) -> list[int]:
+    """The prompt of the scheduler trace (vLLM's side runs the same one)."""
+    return [(i * 7919) % 50_000 for i in range(prompt_tokens)]
 
 
 def _scheduler_case(pool: int, prompt: list[int], block_size: int) -> dict[str, float]:
@@ -152,47 +270,158 @@ def _scheduler_case(pool: int, prompt: list[int], block_size: int) -> dict[str, 
         for event, worker in impl.outstanding("store"):
             impl.complete_store(event, worker)
 
+    compute, completion, flush, cpu_lookup, load, load_completion = PHASES
     impl.add_request("a", prompt, max_tokens=1)
     while impl.live_requests():  # the last step finishes the request: final flush
-        timed("compute, store selection, finish", lambda: impl.step(8192))
-        timed("store completion", complete_stores)
-    timed("flush submission", lambda: impl.step(0))
-    timed("store completion", complete_stores)
+        timed(compute, lambda: impl.step(STEP_TOKENS))
+        timed(completion, complete_stores)
+    timed(flush, lambda: impl.step(0))
+    timed(completion, complete_stores)
     impl.engine.gpu.clear_cache()  # a GPU prefix-cache reset: the repeat must load
     impl.add_request("b", prompt, max_tokens=1)
     keys = impl.engine.requests["b"].block_keys()
     cpu = impl.connector.cpu
-    timed("CPU lookup", lambda: impl.connector.longest_hit(cpu, keys, 0, len(prompt) - 1))
-    result = timed("lookup, pin, load setup", lambda: impl.step(8192))
+    timed(cpu_lookup, lambda: impl.connector.longest_hit(cpu, keys, 0, len(prompt) - 1))
+    result = timed(load, lambda: impl.step(STEP_TOKENS))
     assert isinstance(result, StepResult) and result.metadata.load_event != NO_EVENT
-    timed("load completion", lambda: impl.complete_load(result.metadata.load_event))
+    timed(load_completion, lambda: impl.complete_load(result.metadata.load_event))
     return timings
+
+
+def pools_for(pool_sizes: Sequence[int], prompt_tokens: int, block_size: int) -> list[int]:
+    """The pool sizes that hold the prompt (with its null block and decoded token)."""
+    return [p for p in pool_sizes if p >= -(-prompt_tokens // block_size) + 2]
 
 
 def scheduler_cost(
     pool_sizes: Sequence[int] = POOL_SIZES,
-    prompt_tokens: int = 40_000,
-    block_size: int = 64,
+    prompt_tokens: int = PROMPT_TOKENS,
+    block_sizes: Sequence[int] = SCHEDULER_BLOCK_SIZES,
     repeats: int = 5,
 ) -> list[SchedulerResult]:
-    prompt = [(i * 7919) % 50_000 for i in range(prompt_tokens)]
-    n_blocks = prompt_tokens // block_size
-    _scheduler_case(n_blocks + 2, prompt, block_size)  # warm-up, discarded
+    prompt = trace_prompt(prompt_tokens)
     results = []
-    for pool in pool_sizes:
-        # Best of `repeats` runs per phase, with the garbage collector held off while timing.
-        best: dict[str, float] = {}
-        for _ in range(repeats):
-            gc.collect()
-            gc.disable()
-            try:
-                timings = _scheduler_case(pool, prompt, block_size)
-            finally:
-                gc.enable()
-            best = {k: min(v, best.get(k, v)) for k, v in timings.items()}
-        results.append(
-            SchedulerResult(pool, n_blocks, {k: v / n_blocks * 1e6 for k, v in best.items()})
-        )
+    for block_size in block_sizes:
+        n_blocks = prompt_tokens // block_size
+        _scheduler_case(n_blocks + 2, prompt, block_size)  # warm-up, discarded
+        for pool in pools_for(pool_sizes, prompt_tokens, block_size):
+            # Best of `repeats` runs per phase, with the garbage collector held off while
+            # timing, as on vLLM's side.
+            best: dict[str, float] = {}
+            for _ in range(repeats):
+                gc.collect()
+                gc.disable()
+                try:
+                    timings = _scheduler_case(pool, prompt, block_size)
+                finally:
+                    gc.enable()
+                best = {k: min(v, best.get(k, v)) for k, v in timings.items()}
+            per_block = {k: v / n_blocks * 1e6 for k, v in best.items()}
+            results.append(SchedulerResult(block_size, pool, n_blocks, per_block))
+    return results
+
+
+# The vLLM side: (pool sizes, block sizes, prompt tokens, repeats) -> (results, a line).
+VllmRunner = Callable[[Sequence[int], Sequence[int], int, int], tuple[dict[str, Any] | None, str]]
+
+
+@dataclass
+class Bench:
+    """Everything one run measured."""
+
+    command: str
+    copies: list[CopyResult]
+    scheduler: list[SchedulerResult]
+    vllm: list[SchedulerResult] = field(default_factory=list)
+    vllm_note: str = "the side by side with vLLM was not asked for"
+    lockstep: dict[str, Any] | None = None
+    lockstep_lines: tuple[list[str], list[str]] = ([], [])
+    date: str = field(default_factory=lambda: time.strftime("%Y-%m-%d"))
+
+    def vllm_pairs(self) -> list[tuple[SchedulerResult, SchedulerResult]]:
+        """(implementation, vLLM) for every case both ran."""
+        theirs = {(r.block_size, r.pool_blocks): r for r in self.vllm}
+        return [
+            (r, theirs[(r.block_size, r.pool_blocks)])
+            for r in self.scheduler
+            if (r.block_size, r.pool_blocks) in theirs
+        ]
+
+    def copy_target(self) -> dict[str, Any]:
+        cuda = any(r.host == "pinned" for r in self.copies)
+        covered = [
+            r for r in self.copies if r.in_target() and 16 * KIB <= r.block_bytes <= 4096 * KIB
+        ]
+        ratios = [r.ratio for r in covered]
+        target = CUDA_COPY_TARGET if cuda else COPY_TARGET
+        return {
+            "limit": "one large cudaMemcpyAsync" if cuda else "memmove of the same bytes",
+            "cases": len(covered),
+            "min_ratio": min(ratios, default=None),
+            "median_ratio": sorted(ratios)[len(ratios) // 2] if ratios else None,
+            "cases_below_target": sum(r < target for r in ratios),
+            "target": target,
+            "met": bool(ratios) and min(ratios) >= target,
+        }
+
+    def scheduler_target(self) -> dict[str, Any]:
+        flat: dict[str, Any] = {}
+        for size in sorted({r.block_size for r in self.scheduler}, reverse=True):
+            totals = [r.total for r in self.scheduler if r.block_size == size]
+            flat[str(size)] = max(totals) / min(totals)
+        pairs = self.vllm_pairs()
+        ratios = [mine.total / theirs.total for mine, theirs in pairs]
+        return {
+            "vllm": self.vllm_note,
+            "cases": len(pairs),
+            "max_ratio": max(ratios, default=None),
+            "target": SCHEDULER_TARGET,
+            "met": bool(ratios) and max(ratios) <= SCHEDULER_TARGET,
+            "flatness": flat,
+            "flat_target": FLAT_TARGET,
+            "flat_met": bool(flat) and max(flat.values()) <= FLAT_TARGET,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        device = default_device()
+        return {
+            "date": self.date,
+            "command": self.command,
+            "machine": machine(),
+            "device": str(device),
+            "targets": {
+                "copies": self.copy_target(),
+                "scheduler": self.scheduler_target(),
+                "lockstep": None if self.lockstep is None else self.lockstep["target"],
+            },
+            "copies": [asdict(r) | {"ratio": r.ratio} for r in self.copies],
+            "scheduler": {
+                "prompt_tokens": PROMPT_TOKENS,
+                "implementation": [asdict(r) | {"total": r.total} for r in self.scheduler],
+                "vllm": [asdict(r) | {"total": r.total} for r in self.vllm],
+                "vllm_note": self.vllm_note,
+                "ratios": [
+                    {
+                        "block_size": mine.block_size,
+                        "pool_blocks": mine.pool_blocks,
+                        "ratio": mine.total / theirs.total,
+                    }
+                    for mine, theirs in self.vllm_pairs()
+                ],
+            },
+            "lockstep": self.lockstep,
+        }
+
+
+def vllm_results(data: dict[str, Any]) -> list[SchedulerResult]:
+    """vLLM's timings (seconds per phase) as per-block results."""
+    prompt_tokens = int(data["prompt_tokens"])
+    results = []
+    for run in data["runs"]:
+        size = int(run["block_size"])
+        blocks = prompt_tokens // size
+        per_block = {k: v / blocks * 1e6 for k, v in run["seconds"].items()}
+        results.append(SchedulerResult(size, int(run["pool_blocks"]), blocks, per_block))
     return results
 
 
@@ -210,112 +439,154 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
-def summary(
-    copies: list[CopyResult], scheduler: list[SchedulerResult], extra: Sequence[str] = ()
-) -> list[str]:
+def _met(flag: bool) -> str:
+    return "met" if flag else "NOT met"
+
+
+def summary(bench: Bench) -> list[str]:
     lines = ["## Summary", ""]
-    for pattern in ("sequential", "scattered"):
-        ratios = [
-            r.batched_gbps / r.contiguous_gbps
-            for r in copies
-            if r.pattern == pattern and r.block_bytes >= 64 * KIB
-        ]
-        if ratios:
-            lines.append(
-                f"- Blocks of 64 KiB and more, {pattern} ids: batched / contiguous between "
-                f"{min(ratios):.2f} and {max(ratios):.2f} (median "
-                f"{sorted(ratios)[len(ratios) // 2]:.2f}); target at least 0.8."
-            )
-    if scheduler:
-        totals = [sum(s.us_per_block.values()) for s in scheduler]
+    copies = bench.copy_target()
+    if copies["cases"]:
         lines.append(
-            f"- Scheduler cost per block from {scheduler[0].pool_blocks:,} to "
-            f"{scheduler[-1].pool_blocks:,} pool blocks: {min(totals):.1f} to {max(totals):.1f} "
-            f"us, max / min {max(totals) / min(totals):.2f}; target at most 1.5."
+            f"- Block copies, 16 KiB to 4 MiB blocks, batches of 8 to 1024, scattered ids: "
+            f"batched / {copies['limit']} {copies['min_ratio']:.2f} at least, median "
+            f"{copies['median_ratio']:.2f}, {copies['cases_below_target']} of "
+            f"{copies['cases']} cases under the target of {copies['target']}: "
+            f"{_met(copies['met'])}."
         )
-    return [*lines, *extra, "", *NOTE.splitlines(), ""]
+    sched = bench.scheduler_target()
+    for size, spread in sched["flatness"].items():
+        totals = [r.total for r in bench.scheduler if r.block_size == int(size)]
+        lines.append(
+            f"- Scheduler cost per block, {size}-token blocks, pools "
+            f"{min(r.pool_blocks for r in bench.scheduler if r.block_size == int(size)):,} to "
+            f"{max(r.pool_blocks for r in bench.scheduler if r.block_size == int(size)):,}: "
+            f"{min(totals):.2f} to {max(totals):.2f} us, max / min {spread:.2f}; target at most "
+            f"{FLAT_TARGET}: {_met(spread <= FLAT_TARGET)}."
+        )
+    if sched["cases"]:
+        lines.append(
+            f"- Scheduler against vLLM's on the same trace: implementation / vLLM at most "
+            f"{sched['max_ratio']:.2f} over {sched['cases']} cases; target at most "
+            f"{SCHEDULER_TARGET}: {_met(sched['met'])}."
+        )
+    else:
+        lines.append(f"- Scheduler against vLLM's: not measured ({bench.vllm_note}).")
+    return [*lines, *bench.lockstep_lines[0], ""]
 
 
-NOTE = """\
-Reading the figures: without a GPU both memories are host DRAM, the "device" included. Where
-the ratio falls short of 0.8, it is the cost of one torch operation (one to four microseconds)
-against the few microseconds a single 64 KiB block takes to copy, and the gather bandwidth of
-`index_select` for scattered ids; both shrink as blocks or runs grow. The CUDA path (copy
-stream, events, pinned and pageable host memory) has not been measured: no device was lent.
-"""
-
-
-def report(
-    copies: list[CopyResult],
-    scheduler: list[SchedulerResult],
-    command: str,
-    extra: tuple[Sequence[str], Sequence[str]] = ((), ()),
-) -> str:
-    """The markdown report; ``extra`` is (summary lines, a section) measured elsewhere."""
+def report(bench: Bench) -> str:
+    """The markdown report."""
     device = default_device()
     lines = [
         "# Performance",
         "",
-        f"Measured {time.strftime('%Y-%m-%d')} with `{command}` on {machine()}, device "
-        f"`{device}`"
+        f"Measured {bench.date} with `{bench.command}` on {machine()}, device `{device}`"
         + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else "")
         + ". Best of repeated runs; GB/s is 10^9 bytes per second.",
         "",
-        *summary(copies, scheduler, extra[0]),
+        *summary(bench),
         "## Block copy bandwidth",
         "",
-        "`batched` is the worker's path (one slice copy or indexed gather per run of",
-        "consecutive destination ids); `contiguous` is one copy of the same bytes (the limit);",
-        "`naive` is one copy per block. `ids`: source ids sequential or scattered.",
+        "`batched` is the worker's path (a copy plan built for the batch, then one batched",
+        "operation per run of consecutive ids, on int64 views); `limit` is "
+        + (
+            "one large `cudaMemcpyAsync` between the same memories"
+            if device.type == "cuda"
+            else "one `memmove` of the same bytes"
+        )
+        + ";",
+        "`contiguous` is one torch copy of the same bytes and `naive` one copy per block, for",
+        "reference. `ids`: source ids sequential or scattered.",
         "",
-        "| direction | host | block | batch | ids | contiguous GB/s | batched GB/s | naive GB/s"
-        " | batched / contiguous |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| direction | host | block | batch | ids | limit GB/s | batched GB/s | contiguous GB/s"
+        " | naive GB/s | batched / limit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in copies:
+    for r in bench.copies:
         lines.append(
             f"| {r.direction} | {r.host} | {r.block_bytes // KIB} KiB | {r.batch} | {r.pattern}"
-            f" | {r.contiguous_gbps:.2f} | {r.batched_gbps:.2f} | {r.naive_gbps:.2f}"
-            f" | {r.batched_gbps / r.contiguous_gbps:.2f} |"
+            f" | {r.limit_gbps:.2f} | {r.batched_gbps:.2f} | {r.contiguous_gbps:.2f}"
+            f" | {r.naive_gbps:.2f} | {r.ratio:.2f} |"
         )
-    phases = list(scheduler[0].us_per_block) if scheduler else []
-    lines += [
-        "",
+    lines += ["", *scheduler_section(bench), "", *bench.lockstep_lines[1]]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def scheduler_section(bench: Bench) -> list[str]:
+    if not bench.scheduler:
+        return []
+    phases = list(bench.scheduler[0].us_per_block)
+    lines = [
         "## Scheduler cost per block",
         "",
-        f"A {scheduler[0].blocks * 64 if scheduler else 0}-token prompt in 64-token blocks "
-        "({} blocks), scheduler alone, microseconds per block, best of 5 runs.".format(
-            scheduler[0].blocks if scheduler else 0
-        ),
+        f"A {PROMPT_TOKENS:,}-token prompt, scheduler alone, microseconds per block, best of",
+        "repeated runs. Pools too small for the prompt are not run.",
         "",
-        "| pool blocks | " + " | ".join(phases) + " | total |",
-        "|---|" + "---|" * (len(phases) + 1),
+        "| side | block tokens | pool blocks | " + " | ".join(phases) + " | total |",
+        "|---|---|---|" + "---|" * (len(phases) + 1),
     ]
-    for s in scheduler:
-        values = [s.us_per_block[p] for p in phases]
-        lines.append(
-            f"| {s.pool_blocks:,} | "
-            + " | ".join(f"{v:.1f}" for v in values)
-            + f" | {sum(values):.1f} |"
-        )
-    return "\n".join([*lines, "", *extra[1]]).rstrip() + "\n"
+    for side, results in (("implementation", bench.scheduler), ("vLLM", bench.vllm)):
+        for s in results:
+            values = [s.us_per_block.get(p, 0.0) for p in phases]
+            lines.append(
+                f"| {side} | {s.block_size} | {s.pool_blocks:,} | "
+                + " | ".join(f"{v:.2f}" for v in values)
+                + f" | {s.total:.2f} |"
+            )
+    lines += ["", f"vLLM: {bench.vllm_note}."]
+    pairs = bench.vllm_pairs()
+    if pairs:
+        lines += [
+            "",
+            "| block tokens | pool blocks | implementation us | vLLM us | implementation / vLLM |",
+            "|---|---|---|---|---|",
+        ]
+        for mine, theirs in pairs:
+            lines.append(
+                f"| {mine.block_size} | {mine.pool_blocks:,} | {mine.total:.2f} | "
+                f"{theirs.total:.2f} | {mine.total / theirs.total:.2f} |"
+            )
+    return lines
 
 
 def run_bench(
-    output: str | None, quick: bool, extra: tuple[Sequence[str], Sequence[str]] = ((), ())
+    output: str | None,
+    json_path: str | None,
+    quick: bool,
+    vllm: VllmRunner | None = None,
+    lockstep: Callable[[], tuple[list[str], list[str], dict[str, Any]]] | None = None,
 ) -> int:
+    """Measure, print the report, write it (markdown to ``output``, JSON to
+    ``json_path``). ``vllm`` runs the scheduler trace through vLLM; ``lockstep`` measures
+    lockstep throughput (summary lines, section lines, JSON)."""
     device = default_device()
     copies = copy_bandwidth(
         device,
-        block_sizes=[16 * KIB, 64 * KIB, 1024 * KIB] if quick else BLOCK_SIZES,
-        batches=[1, 64] if quick else BATCHES,
+        block_sizes=[16 * KIB, 1024 * KIB] if quick else BLOCK_SIZES,
+        batches=[8, 64] if quick else BATCHES,
         budget_s=0.05 if quick else 0.3,
     )
-    scheduler = scheduler_cost([10**3, 10**4] if quick else POOL_SIZES)
-    command = "kvoffload bench" + (" --quick" if quick else "")
-    text = report(copies, scheduler, command, extra)
+    pools = [10**3, 10**4] if quick else POOL_SIZES
+    repeats = 2 if quick else 5
+    bench = Bench(
+        "kvoffload bench" + (" --quick" if quick else ""),
+        copies,
+        scheduler_cost(pools, repeats=repeats),
+    )
+    if vllm is not None:
+        data, bench.vllm_note = vllm(pools, SCHEDULER_BLOCK_SIZES, PROMPT_TOKENS, repeats)
+        bench.vllm = [] if data is None else vllm_results(data)
+    if lockstep is not None:
+        summary_lines, section, bench.lockstep = lockstep()
+        bench.lockstep_lines = (summary_lines, section)
+    text = report(bench)
     if output:
         with open(output, "w") as f:
             f.write(text)
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(bench.to_json(), f, indent=1)
+            f.write("\n")
     print(text)
     return 0

@@ -29,16 +29,31 @@ def token_seeds(tokens: Sequence[int], start: int = 0, seed: int = INITIAL_SEED)
     return seeds
 
 
+def layer_bytes(
+    seeds: Sequence[int], group: int, num_layers: int, bytes_per_token: int
+) -> torch.Tensor:
+    """The KV bytes of the tokens with these seeds in every layer of ``group``, as
+    ``uint8[num_layers, len(seeds) * bytes_per_token]``; row ``l`` is
+    ``token_bytes(seeds, group, l, bytes_per_token)``."""
+    s = torch.tensor(list(seeds), dtype=torch.int64).view(1, -1, 1)
+    offsets = torch.arange(1, bytes_per_token + 1, dtype=torch.int64).view(1, 1, -1)
+    layers = torch.arange(num_layers, dtype=torch.int64).view(-1, 1, 1)
+    mixed = s * 0x9E3779B1 + offsets * (0x85EBCA77 + 131 * group + 7919 * layers)
+    return ((mixed ^ (mixed >> 29)) & 0xFF).to(torch.uint8).reshape(num_layers, -1)
+
+
 def token_bytes(seeds: Sequence[int], group: int, layer: int, bytes_per_token: int) -> torch.Tensor:
     """The KV bytes of the tokens with these seeds, as ``uint8[len(seeds) * bytes_per_token]``."""
-    s = torch.tensor(list(seeds), dtype=torch.int64).unsqueeze(1)
-    offsets = torch.arange(bytes_per_token, dtype=torch.int64).unsqueeze(0)
-    mixed = s * 0x9E3779B1 + (offsets + 1) * (0x85EBCA77 + 131 * group + 7919 * layer)
-    return ((mixed ^ (mixed >> 29)) & 0xFF).to(torch.uint8).reshape(-1)
+    return layer_bytes(seeds, group, layer + 1, bytes_per_token)[layer]
+
+
+def checksums(blocks: torch.Tensor) -> list[int]:
+    """:func:`checksum` of each row of ``blocks`` (``[rows, bytes]``), in one pass."""
+    values = blocks.to(torch.int64)
+    weights = torch.arange(1, values.shape[1] + 1, dtype=torch.int64, device=values.device)
+    return [int(v) for v in ((values * weights) % 2_147_483_647).sum(dim=1).tolist()]
 
 
 def checksum(block: torch.Tensor) -> int:
     """A position-weighted checksum of one block's bytes."""
-    values = block.to(torch.int64)
-    weights = torch.arange(1, values.numel() + 1, dtype=torch.int64, device=values.device)
-    return int(((values * weights) % 2_147_483_647).sum().item())
+    return checksums(block.reshape(1, -1))[0]

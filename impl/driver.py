@@ -10,16 +10,17 @@ thread is started), in the copy engine's order: what the conformance machine dri
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import torch
 
 from kvoffload.impl.connector import Connector
-from kvoffload.impl.content import token_bytes, token_seeds
+from kvoffload.impl.content import layer_bytes, token_seeds
 from kvoffload.impl.engine import ImplEngine, ImplRequest, Status
 from kvoffload.impl.faults import FAULTS
 from kvoffload.impl.pool import block_key
-from kvoffload.impl.snapshot import take_snapshot
+from kvoffload.impl.snapshot import Views
 from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import KVLayout, Worker
 from kvoffload.model.config import OffloadConfig
@@ -39,6 +40,10 @@ DEFAULT_LAYOUT = KVLayout()
 
 def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def _damaged_in(impl: OffloadImpl | None, cpu_ids: list[int]) -> set[int]:
+    return set() if impl is None else impl._damaged(cpu_ids)
 
 
 def _compose(base: type, chosen: list[type], name: str) -> type:
@@ -76,14 +81,20 @@ class OffloadImpl:
                 for rank in range(config.world_size)
             ]
         )
+        self._views = Views()
+        self._data_clean: tuple[object, ...] | None = None  # the state last found right
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
         if self.workers:
-            self.connector.integrity_check = self._damaged
+            # A weak reference: the implementation and its connector form no cycle, so that
+            # a dropped implementation is freed (and its copy threads stopped) at once, on
+            # the dropping thread, never by a collection that runs on a copy thread.
+            this = weakref.ref(self)
+            self.connector.integrity_check = lambda ids: _damaged_in(this(), ids)
         # The data check's memory: seeds behind each key seen, expected bytes per layer.
         self._fully_indexed: set[str] = set()
         self._key_seeds: dict[str, list[int]] = {}
-        self._expected_bytes: dict[tuple[str, int], torch.Tensor] = {}
+        self._expected_bytes: dict[str, torch.Tensor] = {}
 
     @property
     def connector(self) -> Connector:
@@ -235,43 +246,82 @@ class OffloadImpl:
         return owed_completions(self.config, counter, table)
 
     def snapshot(self) -> Snapshot:
-        return take_snapshot(self.engine)
+        """The state as the model's snapshot shows it; the same object as the last one when
+        nothing shown has changed."""
+        return self._views.snapshot(self.engine)
 
     # -- data integrity -------------------------------------------------------------------
 
     def data_mismatches(self, exempt: frozenset[int] = frozenset()) -> list[str]:
+        """:meth:`check_data`, skipped when nothing it reads has changed since it last found
+        every block right: no tensor written (torch's version counters), no key moved, no
+        request grown, the same blocks busy or exempt."""
+        if not self.workers:
+            return []
+        state = self._data_state(exempt)
+        if state == self._data_clean:
+            return []
+        problems = self.check_data(exempt)
+        self._data_clean = None if problems else state
+        return problems
+
+    def _data_state(self, exempt: frozenset[int]) -> tuple[object, ...]:
+        pools = (self.connector.cpu, self.engine.gpu)
+        return (
+            exempt,
+            tuple(b for load in self.connector.loads.values() for b in load.copy.gpu),
+            tuple((rid, req.num_tokens) for rid, req in self.engine.requests.items()),
+            *(
+                (tuple(p.key), tuple(p.index.items()), tuple((k, *v) for k, v in p.dups.items()))
+                for p in pools
+            ),
+            *(
+                (frozenset(w.settle()), *(t._version for t in (*w.gpu_blocks, *w.cpu_blocks)))
+                for w in self.workers
+            ),
+        )
+
+    def check_data(self, exempt: frozenset[int] = frozenset()) -> list[str]:
         """Every registered CPU block and every keyed full GPU block whose bytes differ from
         the content function of its key, on every worker. Keys are those of every request
         this driver has seen, finished ones included; a block's expected bytes are computed
-        once per (key, layer), since they are a function of the key alone. CPU blocks in
+        once per key, since they are a function of the key alone. CPU blocks in
         ``exempt`` (damaged on purpose, not yet found out) are not checked."""
         if not self.workers:
             return []
         self._index_keys()
         problems: list[str] = []
         loading = {b for load in self.connector.loads.values() for b in load.copy.gpu}
+        sizes = self.config.group_block_sizes
         for w in self.workers:
             busy = loading | w.settle()
             for side, pool, tensors in (
-                ("cpu", self.connector.cpu, w.cpu_kv),
-                ("gpu", self.engine.gpu, w.gpu_kv),
+                ("cpu", self.connector.cpu, w.cpu_blocks),
+                ("gpu", self.engine.gpu, w.gpu_blocks),
             ):
                 skip = busy if side == "gpu" else exempt
+                checked: dict[int, list[tuple[int, str]]] = {}  # group -> (block, key)
                 for block in range(1, pool.num_blocks):
                     key = pool.key[block]
                     if key is None or block in skip or key not in self._key_seeds:
                         continue
-                    if not pool.has(key, block):
-                        continue
                     shared = block_key(key)
-                    if shared.num_tokens % self.config.group_block_sizes[shared.group]:
+                    if pool.has(key, block) and not shared.num_tokens % sizes[shared.group]:
+                        checked.setdefault(shared.group, []).append((block, key))
+                for group, found in checked.items():
+                    # Every block of the group in one gather and one comparison; the blocks
+                    # and layers that differ are looked for only when something does.
+                    actual = tensors[group][[block for block, _ in found]].cpu()
+                    expected = torch.stack([self._expected(key) for _, key in found])
+                    if torch.equal(actual, expected):
                         continue
-                    for layer, tensor in enumerate(tensors[shared.group]):
-                        if not torch.equal(tensor[block].cpu(), self._expected(key, layer)):
-                            problems.append(
-                                f"worker {w.rank} {side} block {block} layer {layer} "
-                                f"does not hold the KV of {shared}"
-                            )
+                    for (block, key), have, want in zip(found, actual, expected, strict=True):
+                        for layer, (a, b) in enumerate(zip(have, want, strict=True)):
+                            if not torch.equal(a, b):
+                                problems.append(
+                                    f"worker {w.rank} {side} block {block} layer {layer} "
+                                    f"does not hold the KV of {block_key(key)}"
+                                )
         return problems
 
     def _index_keys(self) -> None:
@@ -294,10 +344,14 @@ class OffloadImpl:
             if req.status is Status.FINISHED:
                 self._fully_indexed.add(rid)
 
-    def _expected(self, key: str, layer: int) -> torch.Tensor:
-        found = self._expected_bytes.get((key, layer))
+    def _expected(self, key: str) -> torch.Tensor:
+        """The bytes of a full block under ``key`` in every layer, ``[layers, bytes]``."""
+        found = self._expected_bytes.get(key)
         if found is None:
-            bpt = self.workers[0].layout.bytes_per_token
-            found = token_bytes(self._key_seeds[key], block_key(key).group, layer, bpt)
-            self._expected_bytes[(key, layer)] = found
+            layout = self.workers[0].layout
+            group = block_key(key).group
+            found = layer_bytes(
+                self._key_seeds[key], group, layout.num_layers, layout.bytes_per_token
+            )
+            self._expected_bytes[key] = found
         return found

@@ -1,11 +1,19 @@
-"""Reading the implementation's state into the shared :class:`Snapshot`."""
+"""Reading the implementation's state into the shared :class:`Snapshot`.
+
+:class:`Views` keeps the last snapshot's parts and reuses them while the state they show is
+unchanged: a pool's view is rebuilt only when its raw state (ref counts, keys, free queue,
+index) differs from the one it was built from, and the snapshot object itself is the last one
+when nothing it shows has changed. So taking a snapshot after a call that changed nothing
+costs little, and a caller can tell "unchanged" by identity (the lockstep comparison does).
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from kvoffload.impl.connector import Copy, Load
 from kvoffload.impl.engine import ImplEngine
 from kvoffload.impl.pool import Pool, block_key
-from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import (
     BlockView,
     LoadView,
@@ -19,30 +27,57 @@ from kvoffload.model.snapshot import (
 
 def pool_view(pool: Pool) -> PoolView:
     extra = pool.extra_keys
-    keys: dict[str, BlockKey] = {}
-
-    def shared(key: str) -> BlockKey:
-        found = keys.get(key)
-        if found is None:
-            found = keys[key] = block_key(key)
-        return found
-
     return PoolView(
         blocks=tuple(
             BlockView(
                 b,
                 pool.ref[b],
-                None if pool.key[b] is None else shared(pool.key[b]),  # type: ignore[arg-type]
+                None if key is None else block_key(key),
                 pool.key_tokens[b],
-                tuple(sorted(shared(k) for k in extra[b])) if b in extra else (),
+                tuple(sorted(block_key(k) for k in extra[b])) if b in extra else (),
             )
-            for b in range(pool.num_blocks)
+            for b, key in enumerate(pool.key)
         ),
         free_queue=tuple(pool.free),
-        cached=tuple(
-            sorted((shared(key), pool.holders(key)) for key in pool.index),
-        ),
+        cached=tuple(sorted((block_key(key), pool.holders(key)) for key in pool.index)),
     )
+
+
+def pool_state(pool: Pool) -> tuple[object, ...]:
+    """Everything :func:`pool_view` reads, as plain values (cheap to build and compare)."""
+    return (
+        tuple(pool.ref),
+        tuple(pool.key),
+        tuple(pool.key_tokens),
+        tuple(pool.free),
+        tuple(pool.index.items()),
+        tuple((key, tuple(holders)) for key, holders in pool.dups.items()),
+        tuple((block, frozenset(keys)) for block, keys in pool.extra_keys.items()),
+    )
+
+
+class Views:
+    """Snapshots of one implementation, each part reused while its state is unchanged."""
+
+    def __init__(self) -> None:
+        self.pools: dict[str, tuple[tuple[object, ...], PoolView]] = {}
+        self.last: Snapshot | None = None
+
+    def pool(self, pool: Pool) -> PoolView:
+        state = pool_state(pool)
+        known = self.pools.get(pool.name)
+        if known is not None and known[0] == state:
+            return known[1]
+        view = pool_view(pool)
+        self.pools[pool.name] = (state, view)
+        return view
+
+    def snapshot(self, engine: ImplEngine) -> Snapshot:
+        fresh = take_snapshot(engine, self.pool)
+        if self.last is not None and fresh == self.last:
+            return self.last  # the pools compare by identity: the rest, by value
+        self.last = fresh
+        return fresh
 
 
 def _copy(event: int | None, copy: Copy) -> TransferView:
@@ -53,11 +88,11 @@ def _load(load: Load) -> LoadView:
     return LoadView(load.request_id, _copy(load.event, load.copy), load.finished)
 
 
-def take_snapshot(engine: ImplEngine) -> Snapshot:
+def take_snapshot(engine: ImplEngine, view: Callable[[Pool], PoolView] = pool_view) -> Snapshot:
     c = engine.connector
     return Snapshot(
-        gpu=pool_view(engine.gpu),
-        cpu=pool_view(c.cpu),
+        gpu=view(engine.gpu),
+        cpu=view(c.cpu),
         requests=tuple(
             RequestView(
                 rid,

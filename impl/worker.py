@@ -1,10 +1,12 @@
 """The worker: KV bytes in device tensors, copies to and from host memory.
 
-Per KV group and layer, a device tensor viewed as ``[num_gpu_blocks, bytes_per_block]``
-and a host tensor ``[num_cpu_blocks, bytes_per_block]``, page-locked when CUDA is present.
-As in vLLM, a transfer copies each (GPU block, CPU block) pair in every tensor, batched by
-:func:`kvoffload.impl.copy.copy_blocks`: one or two operations per run of consecutive
-host-side ids, per tensor.
+Per KV group, a device tensor ``[num_gpu_blocks, num_layers, bytes_per_block]`` and a host
+tensor ``[num_cpu_blocks, num_layers, bytes_per_block]`` (page-locked when CUDA is present):
+block-major, so that a block's KV in every layer is one row, as in a cross-layer KV layout.
+``gpu_kv[group][layer]`` and ``cpu_kv[group][layer]`` are each layer's
+``[num_blocks, bytes_per_block]`` view; ``gpu_rows``/``cpu_rows`` view the rows as int64
+words. A transfer is planned once (:class:`kvoffload.impl.copy.CopyPlan`) and run over each
+group's rows: one batched operation per run of consecutive ids, no temporary on the host.
 
 On CUDA, copies run on a dedicated lowest-priority stream with one event per transfer; a
 store first waits on an event recorded on the compute stream after the step's KV writes
@@ -24,8 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvoffload.impl.content import INITIAL_SEED, checksum, token_bytes, token_seeds
-from kvoffload.impl.copy import copy_blocks
+from kvoffload.impl.content import INITIAL_SEED, checksums, layer_bytes, token_seeds
+from kvoffload.impl.copy import CopyPlan, rows
 from kvoffload.impl.streams import ComputeStream, CopyEngine, CopyJob, CopyThread, InlineCopies
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import DataIntegrityError
@@ -86,21 +88,25 @@ class Worker:
         self.rank = rank
         self.device = device
         self.cuda = device.type == "cuda"
-        bpt = layout.bytes_per_token
-        self.gpu_kv = [
-            [
-                torch.zeros(config.gpu_blocks, size * bpt, dtype=torch.uint8, device=device)
-                for _ in range(layout.num_layers)
-            ]
+        bpt, layers = layout.bytes_per_token, layout.num_layers
+        # Per group one tensor of every layer, block-major ([blocks, layers, bytes]): a
+        # block's KV in every layer is one row, so a transfer is one batched copy per group.
+        self.gpu_blocks = [
+            torch.zeros(config.gpu_blocks, layers, size * bpt, dtype=torch.uint8, device=device)
             for size in config.group_block_sizes
         ]
-        self.cpu_kv = [
-            [
-                torch.zeros(config.cpu_blocks, size * bpt, dtype=torch.uint8, pin_memory=self.cuda)
-                for _ in range(layout.num_layers)
-            ]
+        self.cpu_blocks = [
+            torch.zeros(config.cpu_blocks, layers, size * bpt, dtype=torch.uint8)
             for size in config.group_block_sizes
         ]
+        if self.cuda:
+            self.cpu_blocks = [t.pin_memory() for t in self.cpu_blocks]
+        # The same rows as machine words (int64 when the row allows): what copies move.
+        self.gpu_rows = [rows(t) for t in self.gpu_blocks]
+        self.cpu_rows = [rows(t) for t in self.cpu_blocks]
+        # Each layer of each group, [blocks, bytes per block]: views of the rows above.
+        self.gpu_kv = [[t[:, layer] for layer in range(layers)] for t in self.gpu_blocks]
+        self.cpu_kv = [[t[:, layer] for layer in range(layers)] for t in self.cpu_blocks]
         self.stores: dict[int, Transfer] = {}
         self.loads: dict[int, Transfer] = {}
         self.sums: dict[int, list[int]] = {}
@@ -123,11 +129,8 @@ class Worker:
             self._stop_copier()
 
     def tensors(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [
-            (gpu, cpu)
-            for gpu_layers, cpu_layers in zip(self.gpu_kv, self.cpu_kv, strict=True)
-            for gpu, cpu in zip(gpu_layers, cpu_layers, strict=True)
-        ]
+        """Per group, its device and host block tensors (every layer of a block in a row)."""
+        return list(zip(self.gpu_blocks, self.cpu_blocks, strict=True))
 
     # -- compute --------------------------------------------------------------------------
 
@@ -165,25 +168,25 @@ class Worker:
         seeds = self.seeds(request_id, tokens)[start:end]
         bpt = self.layout.bytes_per_token
         for g, size in enumerate(self.config.group_block_sizes):
-            for layer, tensor in enumerate(self.gpu_kv[g]):
-                data = token_bytes(seeds, g, layer, bpt)
-                pos = start
-                while pos < end:
-                    stop = min(end, (pos // size + 1) * size)
-                    a, b = (pos % size) * bpt, (pos % size + stop - pos) * bpt
-                    chunk = data[(pos - start) * bpt : (stop - start) * bpt]
-                    self._compute(tensor, table[g][pos // size], a, b, chunk)
-                    pos = stop
+            tensor = self.gpu_blocks[g]
+            data = layer_bytes(seeds, g, self.layout.num_layers, bpt)
+            pos = start
+            while pos < end:
+                stop = min(end, (pos // size + 1) * size)
+                a, b = (pos % size) * bpt, (pos % size + stop - pos) * bpt
+                chunk = data[:, (pos - start) * bpt : (stop - start) * bpt]
+                self._compute(tensor, table[g][pos // size], a, b, chunk)
+                pos = stop
 
     def _compute(
         self, tensor: torch.Tensor, block: int, a: int, b: int, data: torch.Tensor
     ) -> None:
         if self.cuda:
-            tensor[block, a:b].copy_(data.to(self.device, non_blocking=True))
+            tensor[block, :, a:b].copy_(data.to(self.device, non_blocking=True))
         else:
 
             def write() -> None:
-                tensor[block, a:b].copy_(data)
+                tensor[block, :, a:b].copy_(data)
 
             self.compute.enqueue(block, write)
 
@@ -208,25 +211,35 @@ class Worker:
     def _launch(
         self, src_ids: Sequence[int], dst_ids: Sequence[int], to_device: bool, wait_compute: bool
     ) -> Transfer:
-        pairs = [(cpu, gpu) if to_device else (gpu, cpu) for gpu, cpu in self.tensors()]
+        pairs = [
+            (cpu, gpu) if to_device else (gpu, cpu)
+            for gpu, cpu in zip(self.gpu_rows, self.cpu_rows, strict=True)
+        ]
+        host = torch.device("cpu")
+        src_device, dst_device = (host, self.device) if to_device else (self.device, host)
         if self.cuda:
             after_compute = torch.cuda.Event()
             after_compute.record(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(self.copy_stream):
                 if wait_compute:
                     self.copy_stream.wait_event(after_compute)
+                plan = CopyPlan(src_ids, dst_ids, src_device, dst_device)
                 for src, dst in pairs:
-                    copy_blocks(src, dst, src_ids, dst_ids)
+                    plan.run_rows(src, dst)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             return Transfer(event=done)
-        marker = self.compute.record()
+        compute = self.compute
+        marker = compute.record()
+        plan = CopyPlan(src_ids, dst_ids, src_device, dst_device)
 
+        # The job holds the streams and tensors, never the worker: a queued job must not keep
+        # a dropped worker (and so its copy thread) alive.
         def run() -> None:
             if wait_compute:
-                self.compute.run_until(marker)
+                compute.run_until(marker)
             for src, dst in pairs:
-                copy_blocks(src, dst, src_ids, dst_ids)
+                plan.run_rows(src, dst)
 
         priority = self.copier.LOAD if to_device else self.copier.STORE
         return Transfer(job=self.copier.submit(priority, run), engine=self.copier)
@@ -255,7 +268,8 @@ class Worker:
     # -- integrity ------------------------------------------------------------------------
 
     def block_sum(self, cpu_id: int) -> list[int]:
-        return [checksum(cpu[cpu_id]) for _, cpu in self.tensors()]
+        """The checksum of a host block in every group and layer, in that order."""
+        return [c for cpu in self.cpu_blocks for c in checksums(cpu[cpu_id])]
 
     def seal(self, cpu_ids: Sequence[int]) -> None:
         """Record the checksums of newly registered CPU blocks."""

@@ -39,7 +39,12 @@ class HoldsBytes(Protocol):
 
     def data_mismatches(self, exempt: frozenset[int] = frozenset()) -> list[str]:
         """Every stored or loaded block whose bytes are not its key's KV, CPU blocks in
-        ``exempt`` aside; empty if none."""
+        ``exempt`` aside; empty if none. May skip the check when nothing it reads changed
+        since it last found nothing."""
+        ...
+
+    def check_data(self, exempt: frozenset[int] = frozenset()) -> list[str]:
+        """The same, always checked in full."""
         ...
 
 

@@ -9,12 +9,15 @@ worker's copy failed) and ``("corrupt", cpu_block, worker)`` (a cached host bloc
 
 from __future__ import annotations
 
+import contextlib
+import weakref
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from kvoffload.impl import OffloadImpl
 from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
-from kvoffload.model.snapshot import PoolView
+from kvoffload.model.snapshot import PoolView, Snapshot
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import (
     HoldsBytes,
@@ -90,20 +93,72 @@ def target_outcome(target: Target, call: Call) -> object:
         return as_outcome(error)
 
 
-def compare(model: OffloadModel, impl: Target, call: Call, n: int) -> str | None:
-    """Apply ``call`` to both; describe the first difference, or None."""
+@dataclass
+class _Agreed:
+    """The snapshots of a (model, target) pair after the last call where they were equal."""
+
+    model: OffloadModel
+    model_snapshot: Snapshot
+    target_snapshot: Snapshot
+
+
+# Keyed by the target, so that a finished program's entry goes with it.
+_AGREED: weakref.WeakKeyDictionary[object, _Agreed] = weakref.WeakKeyDictionary()
+
+
+def changes_nothing(call: Call, expected: object) -> bool:
+    """Whether the specification says the call leaves the model's observable state as it
+    was, given the model's outcome: rejected input (the driver contract: nothing changes), a
+    lookup (read-only), damage injected into a block's bytes (no snapshot field shows it),
+    a drain with nothing owed. ``tests/test_lockstep_incremental.py`` holds it to the
+    model's own snapshots, call after call."""
+    name = call[0]
+    return (
+        isinstance(expected, str)  # an error, as "Type: message"; no result is a string
+        or name in ("lookup", "corrupt")
+        or (name == "drain" and expected == [])
+    )
+
+
+def _agreed(model: OffloadModel, impl: Target) -> _Agreed | None:
+    try:
+        found = _AGREED.get(impl)
+    except TypeError:  # a target that takes no weak reference is compared in full
+        return None
+    return found if found is not None and found.model is model else None
+
+
+def compare(
+    model: OffloadModel, impl: Target, call: Call, n: int, incremental: bool = True
+) -> str | None:
+    """Apply ``call`` to both; describe the first difference, or None.
+
+    ``incremental`` (the default) compares only what the call can have changed, with the
+    same verdict as the full comparison (``incremental=False``): the model's snapshot is
+    taken again unless :func:`changes_nothing` says the call left it as it was; the two
+    snapshots are compared unless both are the very objects last found equal (the
+    implementation's snapshot is the same object while nothing it shows changes); the KV
+    bytes are checked unless nothing the check reads changed (``data_mismatches``)."""
     expected, actual = outcome(model, call), target_outcome(impl, call)
     results = None
     if expected != actual:
         results = f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
-    mine = model.snapshot()
+    agreed = _agreed(model, impl) if incremental else None
+    reuse = agreed is not None and changes_nothing(call, expected)
+    mine = agreed.model_snapshot if agreed is not None and reuse else model.snapshot()
     try:
         theirs = impl.snapshot()
     except Exception as error:
         return (results or f"call {n} {call}") + (
             f": the implementation's snapshot raised {as_outcome(error)}"
         )
-    if mine != theirs:
+    unchanged = (
+        agreed is not None and mine is agreed.model_snapshot and theirs is agreed.target_snapshot
+    )
+    if incremental and (unchanged or mine == theirs):
+        with contextlib.suppress(TypeError):  # a target that takes no weak reference
+            _AGREED[impl] = _Agreed(model, mine, theirs)
+    elif mine != theirs:
         fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
         details = "; ".join(
             describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
@@ -118,7 +173,9 @@ def compare(model: OffloadModel, impl: Target, call: Call, n: int) -> str | None
     try:
         # A block damaged on purpose holds the wrong bytes until a lookup finds it out.
         exempt = frozenset(model.engine.connector.cpu_pool.damaged)
-        wrong = impl.data_mismatches(exempt) if isinstance(impl, HoldsBytes) else []
+        wrong: list[str] = []
+        if isinstance(impl, HoldsBytes):
+            wrong = (impl.data_mismatches if incremental else impl.check_data)(exempt)
     except Exception as error:
         return f"call {n} {call}: the implementation's data check raised {as_outcome(error)}"
     if wrong:

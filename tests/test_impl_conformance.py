@@ -1,5 +1,6 @@
 """The implementation against the model: every scenario in lockstep (results, snapshots,
-KV bytes after every call), and every fault of the catalogue caught by a scenario."""
+KV bytes after every call), with copies completed inline (lockstep mode) and on a copy
+thread, and every fault of the catalogue caught by a scenario."""
 
 from __future__ import annotations
 
@@ -32,10 +33,11 @@ FAULT_SCENARIO = {
 }
 
 
+@pytest.mark.parametrize("lockstep", [True, False], ids=["inline copies", "copy thread"])
 @pytest.mark.parametrize("name", sorted(SCENARIOS))
-def test_the_implementation_conforms_on_cpu(name: str) -> None:
+def test_the_implementation_conforms_on_cpu(name: str, lockstep: bool) -> None:
     config, program = SCENARIOS[name]
-    assert first_disagreement(config, program, device="cpu") is None
+    assert first_disagreement(config, program, device="cpu", lockstep=lockstep) is None
 
 
 def test_every_fault_has_a_scenario() -> None:

@@ -12,49 +12,13 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import KVLayout, OffloadImpl
 from kvoffload.impl.content import checksum, token_bytes, token_seeds
-from kvoffload.impl.copy import copy_blocks, host_runs
-from kvoffload.impl.streams import ComputeStream, CopyThread
+from kvoffload.impl.streams import ComputeStream, CopyThread, InlineCopies
 from kvoffload.model import DataIntegrityError, InvalidArgumentError, OffloadConfig
-from kvoffload.testing.lockstep import apply
+from kvoffload.testing.lockstep import apply, first_disagreement
 from kvoffload.testing.stateful import machine_for
 
 from helpers import config as cfg
-from scenarios import STORE_THEN_EVICT
-
-
-def test_host_runs_group_pairs_by_consecutive_host_ids() -> None:
-    assert host_runs([1, 2, 3, 7, 9], [5, 9, 6, 0, 1]) == [(1, [5, 9, 6]), (7, [0]), (9, [1])]
-    assert host_runs([], []) == []
-
-
-@pytest.mark.parametrize(
-    ("src_ids", "dst_ids"),
-    [([1, 2, 3, 6], [4, 5, 6, 0]), ([7, 1, 5, 2], [0, 1, 2, 3]), ([3], [3]), ([], [])],
-)
-def test_copy_blocks_moves_exactly_the_paired_blocks(
-    src_ids: list[int], dst_ids: list[int]
-) -> None:
-    src = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4) + 1
-    dst = torch.zeros(8, 4, dtype=torch.uint8)
-    copy_blocks(src, dst, src_ids, dst_ids)
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        assert torch.equal(dst[d], src[s])
-    untouched = [i for i in range(8) if i not in dst_ids]
-    assert not dst[untouched].any()
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("to_device", [True, False])
-def test_copy_blocks_across_devices(to_device: bool) -> None:
-    host = torch.arange(8 * 4, dtype=torch.uint8).reshape(8, 4).pin_memory()
-    dev = torch.zeros(8, 4, dtype=torch.uint8, device="cuda")
-    src, dst = (host, dev) if to_device else (dev.copy_(host.flip(0)), host.clone())
-    src_ids, dst_ids = [7, 1, 5, 2, 3], [0, 1, 2, 6, 4]
-    copy_blocks(src, dst, src_ids, dst_ids)
-    torch.cuda.synchronize()
-    for s, d in zip(src_ids, dst_ids, strict=True):
-        assert torch.equal(dst[d].cpu(), src[s].cpu())
+from scenarios import SCENARIOS, STORE_THEN_EVICT
 
 
 def test_content_is_a_function_of_the_prefix_group_and_layer() -> None:
@@ -137,8 +101,9 @@ def test_a_failed_copy_is_raised_to_whoever_waits_for_it() -> None:
         raise RuntimeError("copy failed")
 
     job = copier.submit(CopyThread.LOAD, fail)
-    copier.drain()
-    assert isinstance(job.error, RuntimeError)
+    with pytest.raises(RuntimeError, match="copy failed"):
+        copier.wait(job)
+    copier.stop()
 
 
 def test_compute_runs_lazily_until_waited_on_or_old() -> None:
@@ -245,3 +210,65 @@ def test_outstanding_names_a_bad_kind() -> None:
     with pytest.raises(InvalidArgumentError, match="kind must be 'store' or 'load', got 'foo'"):
         impl.outstanding("foo")
     impl.close()
+
+
+def test_inline_copies_run_loads_before_stores_when_drained() -> None:
+    copier = InlineCopies()
+    order: list[str] = []
+    store = copier.submit(InlineCopies.STORE, lambda: order.append("store"))
+    load = copier.submit(InlineCopies.LOAD, lambda: order.append("load"))
+    later = copier.submit(InlineCopies.STORE, lambda: order.append("later store"))
+    assert order == [] and not store.finished  # nothing runs at submission
+    copier.drain()
+    assert order == ["load", "store", "later store"]
+    assert load.finished and store.finished and later.finished
+
+
+def test_waiting_for_an_inline_copy_runs_what_comes_before_it_only() -> None:
+    copier = InlineCopies()
+    order: list[str] = []
+    first = copier.submit(InlineCopies.STORE, lambda: order.append("first"))
+    second = copier.submit(InlineCopies.STORE, lambda: order.append("second"))
+    load = copier.submit(InlineCopies.LOAD, lambda: order.append("load"))
+    copier.wait(first)
+    assert order == ["load", "first"] and not second.finished
+    copier.stop()  # runs what is queued
+    assert order == ["load", "first", "second"]
+    with pytest.raises(RuntimeError, match="stopped"):
+        copier.submit(InlineCopies.LOAD, lambda: None)
+    assert load.finished
+
+
+def test_a_failed_inline_copy_is_raised_to_whoever_waits_for_it() -> None:
+    copier = InlineCopies()
+
+    def fail() -> None:
+        raise RuntimeError("copy failed")
+
+    job = copier.submit(InlineCopies.LOAD, fail)
+    copier.drain()  # the failure is kept for the waiter, not raised here
+    with pytest.raises(RuntimeError, match="copy failed"):
+        copier.wait(job)
+
+
+def test_in_lockstep_mode_no_thread_starts_and_every_copy_is_done_after_the_step() -> None:
+    before = _copy_threads()
+    impl = OffloadImpl(cfg(gpu_blocks=8, cpu_blocks=4, world_size=3), lockstep=True)
+    assert _copy_threads() == before
+    impl.add_request("r", list(range(33)), max_tokens=1)
+    impl.step(64)  # computes the prompt and finishes: the final flush goes out next
+    event = impl.step(0).metadata.store_event
+    assert all(w.stores[event].done() for w in impl.workers)
+    assert impl.ready("store") == [(event, 0), (event, 1), (event, 2)]
+    impl.close()
+
+
+@pytest.mark.parametrize("lockstep", [True, False])
+def test_the_store_race_shows_in_both_copy_engines(lockstep: bool) -> None:
+    """vLLM #45704: a store that does not wait for the step's compute copies stale bytes,
+    every time, whether copies run on a thread or inline."""
+    config, program = SCENARIOS["final-flush-33"]
+    found = first_disagreement(
+        config, program, faults=["store-skips-compute-wait"], lockstep=lockstep
+    )
+    assert found is not None and "does not hold the KV" in found

@@ -1,0 +1,103 @@
+"""The copy path: plans that move exactly the paired blocks, on word views of the rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvoffload.impl.copy import CopyPlan, consecutive, copy_blocks, host_runs, rows
+
+CPU = torch.device("cpu")
+
+
+@st.composite
+def transfers(draw: st.DrawFn) -> tuple[int, int, list[int], list[int]]:
+    """(blocks per side, bytes per block, source ids, destination ids): distinct ids on each
+    side, consecutive runs and scattered ones."""
+    blocks = draw(st.integers(1, 24))
+    width = draw(st.sampled_from([1, 2, 3, 4, 6, 8, 12, 16, 24, 40]))
+    n = draw(st.integers(0, blocks))
+    src = draw(st.permutations(range(blocks)))[:n]
+    dst = draw(st.permutations(range(blocks)))[:n]
+    if draw(st.booleans()):  # fresh destinations, as a store's: consecutive
+        start = draw(st.integers(0, blocks - n))
+        dst = list(range(start, start + n))
+    return blocks, width, list(src), list(dst)
+
+
+@given(transfers())
+def test_a_plan_moves_exactly_the_paired_blocks(
+    case: tuple[int, int, list[int], list[int]],
+) -> None:
+    blocks, width, src_ids, dst_ids = case
+    src = torch.arange(blocks * width, dtype=torch.int64).remainder(251).add(1).to(torch.uint8)
+    src = src.reshape(blocks, width)
+    dst = torch.zeros(blocks, width, dtype=torch.uint8)
+    CopyPlan(src_ids, dst_ids, CPU, CPU).run(src, dst)
+    expected = torch.zeros_like(dst)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        expected[d] = src[s]
+    assert torch.equal(dst, expected)
+
+
+def test_rows_are_the_widest_words_the_row_allows() -> None:
+    assert rows(torch.zeros(4, 64, dtype=torch.uint8)).dtype == torch.int64
+    assert rows(torch.zeros(4, 12, dtype=torch.uint8)).dtype == torch.int32
+    assert rows(torch.zeros(4, 6, dtype=torch.uint8)).dtype == torch.int16
+    assert rows(torch.zeros(4, 3, dtype=torch.uint8)).dtype == torch.uint8
+    # a layer's view inside a block-major tensor: rows 2 * 16 bytes apart, 16 wide
+    layers = torch.zeros(4, 2, 16, dtype=torch.uint8)
+    view = rows(layers[:, 1])
+    assert view.dtype == torch.int64 and view.shape == (4, 2)
+    view[3, 1] = -1
+    assert layers[3, 1, 8:].eq(255).all() and not layers[3, 0].any()  # the same memory
+
+
+def test_a_batch_consecutive_on_one_side_is_one_operation() -> None:
+    store = CopyPlan([7, 2, 9, 4], [0, 1, 2, 3], CPU, CPU)  # scattered blocks, fresh targets
+    assert len(store.steps) == 1 and store.gather and store.steps[0].index is not None
+    load = CopyPlan([0, 1, 2, 3], [7, 2, 9, 4], CPU, CPU)
+    assert len(load.steps) == 1 and not load.gather
+    prompt = CopyPlan([5, 6, 7], [1, 2, 3], CPU, CPU)
+    assert len(prompt.steps) == 1 and prompt.steps[0].index is None  # one slice copy
+    runs = CopyPlan([1, 2, 3, 6, 8], [4, 5, 6, 0, 9], CPU, CPU)
+    assert [step.n for step in runs.steps] == [3, 1, 1]
+
+
+def test_consecutive_ids() -> None:
+    assert consecutive([3, 4, 5]) and consecutive([0])
+    assert not consecutive([]) and not consecutive([3, 5, 4]) and not consecutive([1, 3, 3])
+
+
+def test_a_plan_needs_as_many_sources_as_destinations() -> None:
+    with pytest.raises(ValueError, match="2 source blocks for 1 destinations"):
+        CopyPlan([1, 2], [3], CPU, CPU)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("pinned", [True, False])
+@pytest.mark.parametrize("to_device", [True, False])
+def test_plans_across_devices(to_device: bool, pinned: bool) -> None:
+    host = torch.arange(8 * 64, dtype=torch.int64).remainder(251).to(torch.uint8).reshape(8, 64)
+    if pinned:
+        host = host.pin_memory()
+    dev = torch.zeros(8, 64, dtype=torch.uint8, device="cuda")
+    back = torch.zeros_like(host)
+    src, dst = (host, dev) if to_device else (dev.copy_(host.flip(0)), back)
+    if pinned:
+        dst = dst.pin_memory() if dst.device.type == "cpu" else dst
+    src_ids, dst_ids = [7, 1, 5, 2, 3], [0, 1, 2, 6, 4]
+    stream = torch.cuda.Stream()  # type: ignore[no-untyped-call]
+    with torch.cuda.stream(stream):
+        copy_blocks(src, dst, src_ids, dst_ids)
+    stream.synchronize()
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        assert torch.equal(dst[d].cpu(), src[s].cpu())
+
+
+def test_host_runs_group_pairs_by_consecutive_host_ids() -> None:
+    assert host_runs([1, 2, 3, 7, 9], [5, 9, 6, 0, 1]) == [(1, [5, 9, 6]), (7, [0]), (9, [1])]
+    assert host_runs([], []) == []
