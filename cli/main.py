@@ -91,6 +91,19 @@ def output_file(text: str) -> str:
     return text
 
 
+def output_folder(text: str) -> str:
+    """A folder that can be written into (created when absent, its parent existing)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a folder")
+    where = path if path.is_dir() else path.parent
+    if not where.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder {where} of {text} does not exist")
+    if not os.access(where, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{text} cannot be written")
+    return text
+
+
 def build_parser() -> Parser:
     parser = Parser(
         prog="kvoffload",
@@ -152,6 +165,18 @@ def build_parser() -> Parser:
     )
     verify.add_argument(
         "--json", type=output_file, metavar="FILE", help="also write the verdict as JSON"
+    )
+    verify.add_argument(
+        "--coverage",
+        action="store_true",
+        help="with a vLLM target: line and branch coverage of vLLM's offload code reached "
+        "by the checks, a table per file (coverage.py, installed by kvoffload install)",
+    )
+    verify.add_argument(
+        "--coverage-html",
+        type=output_folder,
+        metavar="DIR",
+        help="with a vLLM target: also write the annotated source into DIR (implies --coverage)",
     )
     mutants = sub.add_parser("mutants", help="the mutation matrix: is every fault found?")
     mutants.add_argument(
@@ -270,9 +295,13 @@ def _run(args: argparse.Namespace) -> int:
                 args.expect,
                 args.seed,
                 args.json,
+                args.coverage,
+                args.coverage_html,
             )
         if args.command == "verify" and args.expect:
             raise ConfigError("--expect applies to vLLM targets only")
+        if args.command == "verify" and (args.coverage or args.coverage_html):
+            raise ConfigError("--coverage measures vLLM's code: it applies to vLLM targets only")
         from kvoffload.testing import campaign
 
         if args.command == "verify":

@@ -8,6 +8,11 @@ result file; the vLLM of the current environment runs in this process. Each verd
 held against the one expected: a check expected to conform must conform; one expected to
 disagree must find a disagreement (with the words it names), shrunk and printed.
 
+With ``--coverage`` the process of the checks also measures how much of vLLM's offload code
+they reach (:mod:`kvoffload.upstream.reach`), from before vLLM's import; the figures come back
+through a second file (``KVOFFLOAD_COVERAGE``, and ``KVOFFLOAD_COVERAGE_HTML`` for the
+annotated source) and are printed as a table per file.
+
 Exit status: 0 when every check reaches its verdict, 1 when one does not, 3 (a
 :class:`SetupError`) when the checks could not run at all.
 """
@@ -33,8 +38,12 @@ from kvoffload.upstream.install import (
     run_variables,
     write_model,
 )
+from kvoffload.upstream.reach import INSTALL, FileReach, Recorder, load, missed_lines, table
 from kvoffload.upstream.releases import Check
 from kvoffload.upstream.targets import VllmTarget, checks_for, parse
+
+COVERAGE_FILE = "KVOFFLOAD_COVERAGE"  # where the process of the checks writes its figures
+COVERAGE_HTML = "KVOFFLOAD_COVERAGE_HTML"  # where it writes the annotated source, if set
 
 
 def check_release(
@@ -45,16 +54,31 @@ def check_release(
     expect: str | None = None,
     seed: int | None = None,
     json_path: str | None = None,
+    coverage: bool = False,
+    coverage_html: str | None = None,
 ) -> int:
-    """Check a vLLM target; 0 when every check reaches the verdict expected of it."""
+    """Check a vLLM target; 0 when every check reaches the verdict expected of it. With
+    ``coverage`` (or ``coverage_html``, a folder for the annotated source), also print how
+    much of vLLM's offload code the checks reached."""
     parsed = parse(target)
     row, checks = checks_for(parsed, expect)
     print(f"{parsed.label}: {row.note}", flush=True)
     args = (checks, profile_name, seconds, seed)
-    if parsed.kind == "current":
-        results = run_here(parsed, *args)
-    else:
-        results = run_in_cache(parsed, install_first, *args)
+    reaches: list[FileReach] | None = None
+    with tempfile.TemporaryDirectory() as folder:
+        measure = {}
+        if coverage or coverage_html:
+            measure[COVERAGE_FILE] = str(Path(folder) / "coverage.json")
+            if coverage_html:
+                measure[COVERAGE_HTML] = str(Path(coverage_html).absolute())
+        if parsed.kind == "current":
+            results = run_here(parsed, *args, measure=measure)
+        else:
+            results = run_in_cache(parsed, install_first, *args, measure=measure)
+        if measure:
+            reaches = load(Path(measure[COVERAGE_FILE]))
+    if reaches is not None:
+        print_reach(parsed.label, reaches, coverage_html)
     failed = 0
     verdicts = []
     for check, result in zip(checks, results, strict=True):
@@ -72,6 +96,8 @@ def check_release(
             "exit_status": status,
             "checks": verdicts,
         }
+        if reaches is not None:
+            report["coverage"] = [r.as_json() for r in reaches]
         Path(json_path).write_text(json.dumps(report, indent=1) + "\n")
     return status
 
@@ -83,8 +109,10 @@ def run_in_cache(
     profile_name: str | None,
     seconds: float | None,
     seed: int | None,
+    measure: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The checks in the cache's interpreter, with the release or the tree on its path."""
+    """The checks in the cache's interpreter, with the release or the tree on its path;
+    ``measure``: the coverage variables for that process (none: no coverage)."""
     cache = Cache(default_cache())
     version = target.version or "unknown"
     if target.kind == "release":
@@ -107,7 +135,8 @@ def run_in_cache(
         command = [str(cache.python), "-m", "kvoffload.upstream.check", str(result_file)]
         command += [json.dumps([asdict(c) for c in checks]), profile_name or ""]
         command += ["" if seconds is None else str(seconds), "" if seed is None else str(seed)]
-        run = subprocess.run(command, env=cache.environment(version, target.path), check=False)
+        env = cache.environment(version, target.path) | (measure or {})
+        run = subprocess.run(command, env=env, check=False)
         if not result_file.exists():
             raise SetupError(
                 f"the checks of {target.label} did not finish (exit {run.returncode}): its "
@@ -123,14 +152,56 @@ def run_here(
     profile_name: str | None,
     seconds: float | None,
     seed: int | None,
+    measure: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """The checks in this process, on the vLLM it imports."""
+    """The checks in this process, on the vLLM it imports (measured as ``measure`` says:
+    from here on, so vLLM's modules already imported show their top level as missed)."""
     if target.version is None:
         raise SetupError("no vLLM is installed in this environment (--target vllm)")
     cache = Cache(default_cache())
     write_model(cache)
     os.environ.update(run_variables(cache.model) | {"KVOFFLOAD_VLLM_VERSION": target.version})
-    return run_checks(target.version, checks, profile_name, seconds, seed)
+    return measured_checks(measure or {}, target.version, checks, profile_name, seconds, seed)
+
+
+def measured_checks(
+    measure: dict[str, str],
+    version: str,
+    checks: tuple[Check, ...],
+    profile_name: str | None,
+    seconds: float | None,
+    seed: int | None,
+) -> list[dict[str, Any]]:
+    """:func:`run_checks`, under coverage.py when ``measure`` names a figures file."""
+    if COVERAGE_FILE not in measure:
+        return run_checks(version, checks, profile_name, seconds, seed)
+    try:
+        recorder = Recorder()
+    except ModuleNotFoundError as error:
+        raise SetupError(
+            f"--coverage needs coverage.py beside vLLM {version} ({error}): `kvoffload install "
+            f"vllm=={version}` adds it to the cache's environment (`pip install {INSTALL}` "
+            "for --target vllm)"
+        ) from error
+    recorder.start()
+    try:
+        results = run_checks(version, checks, profile_name, seconds, seed)
+    finally:
+        html = measure.get(COVERAGE_HTML)
+        recorder.finish(Path(measure[COVERAGE_FILE]), Path(html) if html else None)
+    return results
+
+
+def print_reach(label: str, reaches: list[FileReach], html: str | None) -> None:
+    """The coverage table, and the lines each file missed."""
+    print(f"\n{label}: vLLM's offload code reached by the checks (coverage.py, branches on)")
+    for line in table(reaches):
+        print(line)
+    for reach in reaches:
+        if reach.missing_lines:
+            print(f"{reach.path} missed lines: {missed_lines(reach)}")
+    if html:
+        print(f"annotated source: {Path(html) / 'index.html'}")
 
 
 def judge(check: Check, result: dict[str, Any]) -> str | None:
@@ -227,7 +298,8 @@ def main(argv: list[str]) -> int:
     line, without a result, when the environment cannot run them."""
     result_file, checks, profile_name, seconds, seed = argv
     try:
-        results = run_checks(
+        results = measured_checks(
+            {k: os.environ[k] for k in (COVERAGE_FILE, COVERAGE_HTML) if k in os.environ},
             os.environ["KVOFFLOAD_VLLM_VERSION"],
             tuple(Check(**c) for c in json.loads(checks)),
             profile_name or None,

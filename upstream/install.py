@@ -60,6 +60,8 @@ DEPENDENCIES = [
     # imported by 0.19.0 to 0.22.1 (gguf) and 0.19.x (diskcache) only, harmless later
     "gguf",
     "diskcache",
+    # coverage.py, for `kvoffload verify --target ... --coverage` (kvoffload.upstream.reach)
+    "coverage",
 ]
 # OPT-125m's shape: vLLM's scheduler only reads max_model_len from the model config.
 MODEL_CONFIG = {
