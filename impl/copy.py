@@ -16,6 +16,14 @@ the destination, with no temporary:
   a staging buffer on the device first, in device memory, where it costs a fraction of the
   crossing.
 
+Host memory on both sides with rows of 256 KiB or more, or few moves, takes a third way:
+one ``memmove`` of the C library per run consecutive on both sides (:attr:`CopyPlan.moves`),
+the limit the bench holds the path to. Measured on a 2-core machine (docs/performance.md):
+a torch copy of host memory reaches 0.8 to 0.9 of ``memmove`` on large rows, and an indexed
+one pays a few microseconds per operation that small batches feel; a ``memmove`` call costs
+a fraction of a microsecond. Its ids are checked against both tensors first, as torch's
+indexed operations check theirs: a bad id is an ``IndexError``, never a stray write.
+
 Index tensors are built once per plan from the id lists (``torch.frombuffer`` over an
 ``array``: a copy of the ids, not a Python-level conversion of each one).
 """
@@ -23,6 +31,8 @@ Index tensors are built once per plan from the id lists (``torch.frombuffer`` ov
 from __future__ import annotations
 
 import array
+import ctypes
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -30,6 +40,11 @@ import torch
 
 # The integer types a row may be viewed as, widest first, with their sizes in bytes.
 _WIDEST = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
+# Host to host, memmove is chosen for rows of at least this many bytes (a call's overhead is
+# then a few percent of its copy), or for plans of at most MEMMOVE_MAX_MOVES calls (fewer
+# than the microseconds one indexed torch operation costs).
+MEMMOVE_MIN_ROW = 256 * 1024
+MEMMOVE_MAX_MOVES = 8
 
 
 def rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -100,6 +115,22 @@ class CopyPlan:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destinations")
         self.crossing = src_device != dst_device
+        self._pairs = (src_ids, dst_ids, src_device, dst_device)
+        # Host to host: the pairs as (source start, destination start, blocks) runs,
+        # consecutive on both sides, for memmove.
+        self.moves: list[tuple[int, int, int]] | None = None
+        if not self.crossing and src_device.type == "cpu":
+            self.moves = _moves(src_ids, dst_ids)
+            self._src_bounds = (min(src_ids, default=0), max(src_ids, default=-1))
+            self._dst_bounds = (min(dst_ids, default=0), max(dst_ids, default=-1))
+
+    gather: bool  # whether the steps gather (index on the source side); set with them
+
+    @functools.cached_property
+    def steps(self) -> list[_Step]:
+        """The torch operations of the plan (built when first needed: a plan that runs as
+        memmoves never builds its index tensors)."""
+        src_ids, dst_ids, src_device, dst_device = self._pairs
         whole = False  # the consecutive side is consecutive as a whole: one run
         if self.crossing:
             # The host side is consecutive in each run: one contiguous DMA per run.
@@ -114,7 +145,7 @@ class CopyPlan:
         here, there = (dst_ids, src_ids) if self.gather else (src_ids, dst_ids)
         there_device = src_device if self.gather else dst_device
         runs = [(here[0], list(there))] if whole else host_runs(here, there)
-        self.steps = [
+        return [
             _Step(start, len(ids), ids[0], None)
             if consecutive(ids)
             else _Step(start, len(ids), 0, _index(ids, there_device))
@@ -128,7 +159,10 @@ class CopyPlan:
 
     def run_rows(self, s: torch.Tensor, d: torch.Tensor) -> None:
         """:meth:`run` on tensors already viewed by :func:`rows`."""
-        for step in self.steps:
+        if self.moves is not None and self._memmove(s, d):
+            return
+        steps = self.steps
+        for step in steps:
             here = slice(step.start, step.start + step.n)
             if step.ids is None:
                 there = slice(step.other_start, step.other_start + step.n)
@@ -145,6 +179,51 @@ class CopyPlan:
                 d[here].copy_(s.index_select(0, step.ids), non_blocking=True)
             else:  # host -> device: one DMA in, scatter on the device
                 d.index_copy_(0, step.ids, s[here].to(d.device, non_blocking=True))
+
+    def _memmove(self, s: torch.Tensor, d: torch.Tensor) -> bool:
+        """Run the plan as memmoves where that is the faster way and the memory allows it
+        (host tensors of the same row width, rows packed one after the other); False, having
+        copied nothing, where it is not."""
+        assert self.moves is not None
+        row = s.shape[1] * s.element_size()
+        if row < MEMMOVE_MIN_ROW and len(self.moves) > MEMMOVE_MAX_MOVES:
+            return False
+        if not (_packed(s, row) and _packed(d, row)):
+            return False
+        for side, tensor, (low, high) in (
+            ("source", s, self._src_bounds),
+            ("destination", d, self._dst_bounds),
+        ):
+            if low < 0 or high >= tensor.shape[0]:
+                bad = low if low < 0 else high
+                raise IndexError(f"{side} block {bad} out of range of {tensor.shape[0]} blocks")
+        src, dst = s.data_ptr(), d.data_ptr()
+        for a, b, n in self.moves:
+            ctypes.memmove(dst + b * row, src + a * row, n * row)
+        return True
+
+
+def _packed(tensor: torch.Tensor, row: int) -> bool:
+    """Host memory, rows of ``row`` bytes each, one right after the other."""
+    return (
+        tensor.device.type == "cpu"
+        and tensor.dim() == 2
+        and tensor.shape[1] * tensor.element_size() == row
+        and (tensor.shape[0] <= 1 or tensor.stride(0) * tensor.element_size() == row)
+        and (tensor.shape[1] <= 1 or tensor.stride(1) == 1)
+    )
+
+
+def _moves(src_ids: Sequence[int], dst_ids: Sequence[int]) -> list[tuple[int, int, int]]:
+    """The pairs as runs consecutive on both sides: ``(source start, destination start, n)``."""
+    moves: list[list[int]] = []
+    for a, b in zip(src_ids, dst_ids, strict=True):
+        last = moves[-1] if moves else None
+        if last is not None and a == last[0] + last[2] and b == last[1] + last[2]:
+            last[2] += 1
+        else:
+            moves.append([a, b, 1])
+    return [(a, b, n) for a, b, n in moves]
 
 
 def copy_blocks(

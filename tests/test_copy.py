@@ -57,11 +57,11 @@ def test_rows_are_the_widest_words_the_row_allows() -> None:
 
 def test_a_batch_consecutive_on_one_side_is_one_operation() -> None:
     store = CopyPlan([7, 2, 9, 4], [0, 1, 2, 3], CPU, CPU)  # scattered blocks, fresh targets
-    assert len(store.steps) == 1 and store.gather and store.steps[0].index is not None
+    assert len(store.steps) == 1 and store.gather and store.steps[0].ids is not None
     load = CopyPlan([0, 1, 2, 3], [7, 2, 9, 4], CPU, CPU)
     assert len(load.steps) == 1 and not load.gather
     prompt = CopyPlan([5, 6, 7], [1, 2, 3], CPU, CPU)
-    assert len(prompt.steps) == 1 and prompt.steps[0].index is None  # one slice copy
+    assert len(prompt.steps) == 1 and prompt.steps[0].ids is None  # one slice copy
     runs = CopyPlan([1, 2, 3, 6, 8], [4, 5, 6, 0, 9], CPU, CPU)
     assert [step.n for step in runs.steps] == [3, 1, 1]
 
@@ -101,3 +101,40 @@ def test_plans_across_devices(to_device: bool, pinned: bool) -> None:
 def test_host_runs_group_pairs_by_consecutive_host_ids() -> None:
     assert host_runs([1, 2, 3, 7, 9], [5, 9, 6, 0, 1]) == [(1, [5, 9, 6]), (7, [0]), (9, [1])]
     assert host_runs([], []) == []
+
+
+def test_host_copies_take_memmove_where_it_is_faster_and_the_memory_allows() -> None:
+    src = torch.arange(6 * 16, dtype=torch.int64).reshape(6, 16)
+    few = CopyPlan([4, 5, 0], [0, 1, 5], CPU, CPU)
+    assert few.moves == [(4, 0, 2), (0, 5, 1)]  # runs consecutive on both sides
+    dst = torch.zeros_like(src)
+    assert few._memmove(src, dst)
+    assert torch.equal(dst[[0, 1, 5]], src[[4, 5, 0]]) and not dst[2:5].any()
+    # Rows that are not packed one after the other (a layer of a block-major tensor): torch.
+    layer = torch.zeros(6, 2, 16, dtype=torch.int64)[:, 1]
+    assert not few._memmove(src, layer)
+    few.run_rows(src, layer)
+    assert torch.equal(layer[[0, 1, 5]], src[[4, 5, 0]])
+    # Many small moves: torch's indexed operations, one per run.
+    many = CopyPlan(list(range(0, 40, 2)), list(range(20)), CPU, CPU)
+    assert many.moves is not None and len(many.moves) == 20
+    assert not many._memmove(torch.zeros(40, 4), torch.zeros(20, 4))
+    # Large rows: memmove however many moves.
+    big = torch.zeros(40, 256 * 1024 // 8, dtype=torch.int64)
+    big[::2, 0] = torch.arange(20)
+    out = torch.zeros(20, big.shape[1], dtype=torch.int64)
+    assert many._memmove(big, out) and torch.equal(out[:, 0], torch.arange(20))
+    # Across devices there is nothing to memmove.
+    if torch.cuda.is_available():
+        assert CopyPlan([1], [2], CPU, torch.device("cuda")).moves is None
+
+
+@pytest.mark.parametrize(("src_ids", "dst_ids"), [([0, 6], [0, 1]), ([0, 1], [1, 9]), ([-1], [0])])
+def test_an_id_out_of_range_is_an_index_error_and_copies_nothing(
+    src_ids: list[int], dst_ids: list[int]
+) -> None:
+    src = torch.ones(6, 8, dtype=torch.int64)
+    dst = torch.zeros(6, 8, dtype=torch.int64)
+    with pytest.raises(IndexError, match="out of range of 6 blocks"):
+        CopyPlan(src_ids, dst_ids, CPU, CPU).run_rows(src, dst)
+    assert not dst.any()
