@@ -490,8 +490,7 @@ def report(bench: Bench) -> str:
         "",
         "`batched` is the worker's path (a copy plan built for the batch, then one batched",
         "operation per run of consecutive ids, on int64 views, or host to host for rows of",
-        "256 KiB and more or plans of at most 8 runs, one `memmove` per run consecutive on",
-        "both sides); `limit` is "
+        "256 KiB and more, one `memmove` per run consecutive on both sides); `limit` is "
         + (
             "one large `cudaMemcpyAsync` between the same memories"
             if device.type == "cuda"

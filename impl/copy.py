@@ -16,13 +16,14 @@ the destination, with no temporary:
   a staging buffer on the device first, in device memory, where it costs a fraction of the
   crossing.
 
-Host memory on both sides with rows of 256 KiB or more, or few moves, takes a third way:
-one ``memmove`` of the C library per run consecutive on both sides (:attr:`CopyPlan.moves`),
-the limit the bench holds the path to. Measured on a 2-core machine (docs/performance.md):
-a torch copy of host memory reaches 0.8 to 0.9 of ``memmove`` on large rows, and an indexed
-one pays a few microseconds per operation that small batches feel; a ``memmove`` call costs
-a fraction of a microsecond. Its ids are checked against both tensors first, as torch's
-indexed operations check theirs: a bad id is an ``IndexError``, never a stray write.
+Host memory on both sides with rows of 256 KiB or more takes a third way: one ``memmove``
+of the C library per run consecutive on both sides (:attr:`CopyPlan.moves`), the limit the
+bench holds the path to. Measured on a 2-core machine (docs/performance.md): there a torch
+copy of host memory reaches 0.6 to 0.9 of one ``memmove`` of the same bytes, a loop of
+``memmove`` calls 0.95 and more once each call moves 256 KiB; on smaller rows the loop's
+per-call cost in Python outweighs what it saves, and torch's one indexed operation per run
+is the faster. The ids are checked against both tensors first, as torch's indexed
+operations check theirs: a bad id is an ``IndexError``, never a stray write.
 
 Index tensors are built once per plan from the id lists (``torch.frombuffer`` over an
 ``array``: a copy of the ids, not a Python-level conversion of each one).
@@ -40,11 +41,9 @@ import torch
 
 # The integer types a row may be viewed as, widest first, with their sizes in bytes.
 _WIDEST = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
-# Host to host, memmove is chosen for rows of at least this many bytes (a call's overhead is
-# then a few percent of its copy), or for plans of at most MEMMOVE_MAX_MOVES calls (fewer
-# than the microseconds one indexed torch operation costs).
+# Host to host, memmove is chosen for rows of at least this many bytes: a call's overhead is
+# then a few percent of its copy (docs/performance.md).
 MEMMOVE_MIN_ROW = 256 * 1024
-MEMMOVE_MAX_MOVES = 8
 
 
 def rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -186,7 +185,7 @@ class CopyPlan:
         copied nothing, where it is not."""
         assert self.moves is not None
         row = s.shape[1] * s.element_size()
-        if row < MEMMOVE_MIN_ROW and len(self.moves) > MEMMOVE_MAX_MOVES:
+        if row < MEMMOVE_MIN_ROW:
             return False
         if not (_packed(s, row) and _packed(d, row)):
             return False

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvoffload.impl.copy import CopyPlan, consecutive, copy_blocks, host_runs, rows
@@ -103,27 +103,40 @@ def test_host_runs_group_pairs_by_consecutive_host_ids() -> None:
     assert host_runs([], []) == []
 
 
-def test_host_copies_take_memmove_where_it_is_faster_and_the_memory_allows() -> None:
-    src = torch.arange(6 * 16, dtype=torch.int64).reshape(6, 16)
-    few = CopyPlan([4, 5, 0], [0, 1, 5], CPU, CPU)
-    assert few.moves == [(4, 0, 2), (0, 5, 1)]  # runs consecutive on both sides
-    dst = torch.zeros_like(src)
-    assert few._memmove(src, dst)
+WIDE = 256 * 1024 // 8  # int64 words in a row of 256 KiB: where host copies take memmove
+
+
+def _wide(rows: int, fill: bool = True) -> torch.Tensor:
+    out = torch.zeros(rows, WIDE, dtype=torch.int64)
+    if fill:
+        out[:, 0] = torch.arange(1, rows + 1)
+        out[:, -1] = -out[:, 0]
+    return out
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.integers(1, 8).flatmap(lambda n: st.tuples(st.permutations(range(n)), st.just(n))))
+def test_memmove_plans_move_exactly_the_paired_blocks(case: tuple[list[int], int]) -> None:
+    order, n = case
+    src, dst = _wide(n), _wide(n, fill=False)
+    plan = CopyPlan(order, list(range(n)), CPU, CPU)
+    assert plan._memmove(src, dst)
+    assert torch.equal(dst, src[order])
+
+
+def test_host_copies_take_memmove_for_wide_packed_rows_only() -> None:
+    plan = CopyPlan([4, 5, 0], [0, 1, 5], CPU, CPU)
+    assert plan.moves == [(4, 0, 2), (0, 5, 1)]  # runs consecutive on both sides
+    src, dst = _wide(6), _wide(6, fill=False)
+    assert plan._memmove(src, dst)
     assert torch.equal(dst[[0, 1, 5]], src[[4, 5, 0]]) and not dst[2:5].any()
     # Rows that are not packed one after the other (a layer of a block-major tensor): torch.
-    layer = torch.zeros(6, 2, 16, dtype=torch.int64)[:, 1]
-    assert not few._memmove(src, layer)
-    few.run_rows(src, layer)
+    layer = torch.zeros(6, 2, WIDE, dtype=torch.int64)[:, 1]
+    assert not plan._memmove(src, layer)
+    plan.run_rows(src, layer)
     assert torch.equal(layer[[0, 1, 5]], src[[4, 5, 0]])
-    # Many small moves: torch's indexed operations, one per run.
-    many = CopyPlan(list(range(0, 40, 2)), list(range(20)), CPU, CPU)
-    assert many.moves is not None and len(many.moves) == 20
-    assert not many._memmove(torch.zeros(40, 4), torch.zeros(20, 4))
-    # Large rows: memmove however many moves.
-    big = torch.zeros(40, 256 * 1024 // 8, dtype=torch.int64)
-    big[::2, 0] = torch.arange(20)
-    out = torch.zeros(20, big.shape[1], dtype=torch.int64)
-    assert many._memmove(big, out) and torch.equal(out[:, 0], torch.arange(20))
+    # Narrow rows: torch's indexed operations, one per run.
+    assert not plan._memmove(torch.ones(6, 4), torch.zeros(6, 4))
     # Across devices there is nothing to memmove.
     if torch.cuda.is_available():
         assert CopyPlan([1], [2], CPU, torch.device("cuda")).moves is None
@@ -133,8 +146,7 @@ def test_host_copies_take_memmove_where_it_is_faster_and_the_memory_allows() -> 
 def test_an_id_out_of_range_is_an_index_error_and_copies_nothing(
     src_ids: list[int], dst_ids: list[int]
 ) -> None:
-    src = torch.ones(6, 8, dtype=torch.int64)
-    dst = torch.zeros(6, 8, dtype=torch.int64)
+    src, dst = _wide(6), _wide(6, fill=False)
     with pytest.raises(IndexError, match="out of range of 6 blocks"):
         CopyPlan(src_ids, dst_ids, CPU, CPU).run_rows(src, dst)
     assert not dst.any()
