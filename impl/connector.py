@@ -129,6 +129,8 @@ class Connector:
         stale = self.hits.pop(request.request_id, None)
         if stale is not None:
             self.unpin_hit(stale)
+        if not self.reads_for(request):
+            return 0, False
         limit = request.num_tokens - 1 - computed
         if computed % self.align or len(request.digests) * self.hbs <= computed or limit <= 0:
             return 0, False
@@ -138,6 +140,11 @@ class Connector:
         self.pin_hit(blocks)
         self.hits[request.request_id] = Hit(blocks, hit, computed)
         return hit, True
+
+    def reads_for(self, request: ImplRequest) -> bool:
+        """No CPU hit for a request that skips reading the prefix cache: prompt logprobs
+        need every prompt token computed (PR #54998)."""
+        return not request.skip_reading_prefix_cache
 
     def intact_hit(
         self, keys: Sequence[Sequence[str]], start: int, limit: int

@@ -114,9 +114,17 @@ class OffloadImpl:
 
     # -- the driver API -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
-        tokens = self.validation.new_request(request_id, prompt, max_tokens, self.engine.requests)
-        self.engine.add(request_id, tokens, max_tokens)
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int = 1,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
+        tokens = self.validation.new_request(
+            request_id, prompt, max_tokens, self.engine.requests, skip_reading_prefix_cache
+        )
+        self.engine.add(request_id, tokens, max_tokens, skip_reading_prefix_cache)
 
     def step(self, token_budget: int) -> StepResult:
         require_int("token_budget", token_budget, 0)

@@ -34,9 +34,15 @@ class ImplRequest:
     """A request with its tokens, chained digests and per-group block keys."""
 
     def __init__(
-        self, request_id: str, prompt: Sequence[int], max_tokens: int, config: OffloadConfig
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        config: OffloadConfig,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         self.request_id = request_id
+        self.skip_reading_prefix_cache = skip_reading_prefix_cache  # reads no cache hit
         self.tokens = list(prompt)
         self.token_sum = sum(self.tokens)  # the decoded token is a function of it
         self.num_prompt = len(self.tokens)
@@ -99,8 +105,16 @@ class ImplEngine:
         self.loaded: set[str] = set()
         self.free_after_load: set[str] = set()
 
-    def add(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        self.requests[request_id] = ImplRequest(request_id, prompt, max_tokens, self.config)
+    def add(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
+        self.requests[request_id] = ImplRequest(
+            request_id, prompt, max_tokens, self.config, skip_reading_prefix_cache
+        )
         self.waiting.append(request_id)
 
     def table(self, rid: str) -> list[list[int]]:
@@ -144,9 +158,10 @@ class ImplEngine:
             local = external = 0
             load = False
             if req.num_computed_tokens == 0:
-                hits, local = self.connector.longest_hit(
-                    self.gpu, req.block_keys(), 0, req.num_tokens - 1
-                )
+                if not req.skip_reading_prefix_cache:
+                    hits, local = self.connector.longest_hit(
+                        self.gpu, req.block_keys(), 0, req.num_tokens - 1
+                    )
                 external, load = self.connector.match(req, local)
             start = req.num_computed_tokens + local + external
             n = 0 if load else min(req.num_tokens - start, budget)

@@ -181,6 +181,14 @@ class LookupPinMissing(Connector):
         return None
 
 
+class ServesSkipReading(Connector):
+    """vLLM <= 0.29.0 (PR #54998): the connector never looks at the request's
+    ``skip_reading_prefix_cache`` and serves a prompt-logprobs request a CPU hit."""
+
+    def reads_for(self, request: ImplRequest) -> bool:
+        return True
+
+
 class StoreSkipsComputeWait(Worker):
     """vLLM #45704: the store copy must wait on an event recorded after the step's compute;
     without the wait it can read KV the compute stream has not written yet."""
@@ -225,10 +233,17 @@ class FitCountsCpuPool(Validation):
     every later one."""
 
     def new_request(
-        self, request_id: str, prompt: Sequence[int], max_tokens: int, known: Container[str]
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        known: Container[str],
+        skip_reading_prefix_cache: object = False,
     ) -> tuple[int, ...]:
         both = replace(self.config, gpu_blocks=self.config.gpu_blocks + self.config.cpu_blocks)
-        return require_new_request(both, request_id, prompt, max_tokens, known)
+        return require_new_request(
+            both, request_id, prompt, max_tokens, known, skip_reading_prefix_cache
+        )
 
 
 @dataclass(frozen=True)
@@ -259,6 +274,7 @@ FAULTS: dict[str, Fault] = {
         Fault("pin-dropped-early", PinDroppedEarly, "REF-GPU"),
         Fault("partial-completions-dropped", PartialCompletionsDropped, "EVENTS"),
         Fault("lookup-pin-missing", LookupPinMissing, "REF-CPU"),
+        Fault("serves-skip-reading", ServesSkipReading, "NO-READ"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

@@ -19,10 +19,18 @@ class Validation:
         self.config = config
 
     def new_request(
-        self, request_id: str, prompt: Sequence[int], max_tokens: int, known: Container[str]
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        known: Container[str],
+        skip_reading_prefix_cache: object = False,
     ) -> tuple[int, ...]:
-        """A request to add: valid tokens, fits the GPU pool alone, an unused id."""
-        return require_new_request(self.config, request_id, prompt, max_tokens, known)
+        """A request to add: valid tokens, fits the GPU pool alone, an unused id, a bool
+        flag."""
+        return require_new_request(
+            self.config, request_id, prompt, max_tokens, known, skip_reading_prefix_cache
+        )
 
     def completion(
         self, kind: str, event: int, worker: int, counter: int, reported: set[int]

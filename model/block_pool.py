@@ -171,14 +171,16 @@ class BlockPool:
                 self.free_queue.remove(block.block_id)
             block.ref_cnt += 1
 
-    def free_blocks(self, ordered: Iterable[Block]) -> None:
-        """Drop one ref of each block; hashless ones go to the head, hashed to the tail."""
+    def free_blocks(self, ordered: Iterable[Block], evict_first: bool = False) -> None:
+        """Drop one ref of each block; hashless ones go to the head, hashed to the tail, or
+        to the head too with ``evict_first`` (blocks another tier holds: vLLM 0.34.0)."""
         to_head: list[int] = []
         to_tail: list[int] = []
         for block in ordered:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:
-                (to_head if block.block_hash is None else to_tail).append(block.block_id)
+                first = block.block_hash is None or evict_first
+                (to_head if first else to_tail).append(block.block_id)
         self.free_queue[:0] = to_head
         self.free_queue.extend(to_tail)
 
@@ -234,7 +236,7 @@ class AppendingBlockPool(BlockPool):
     free to the tail of the queue, in the order given, hashed or not (0.24.0 puts hashless
     blocks at the head, to be reused first)."""
 
-    def free_blocks(self, ordered: Iterable[Block]) -> None:
+    def free_blocks(self, ordered: Iterable[Block], evict_first: bool = False) -> None:
         for block in ordered:
             block.ref_cnt -= 1
             if block.ref_cnt == 0 and not block.is_null:

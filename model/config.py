@@ -6,7 +6,8 @@ Invariants kept here (checked once, at construction):
 - ``hash_block_size`` divides every group's block size (vLLM resolves a group's block keys
   from the fine-grained chain, one key per ``block_size // hash_block_size`` hash blocks);
 - the scheduler block size is the least common multiple of the group block sizes, so every
-  group block size divides it.
+  group block size divides it;
+- ``lazy`` is a bool.
 """
 
 from __future__ import annotations
@@ -15,6 +16,12 @@ import math
 from dataclasses import dataclass, field
 
 from kvoffload.model.errors import ConfigError
+
+# The scheduler's token budget per step (vLLM's ``max_num_batched_tokens``), which sizes the
+# lazy mode's scan; vLLM's world in the adapter is configured with the same.
+MAX_NUM_BATCHED_TOKENS = 2048
+# vLLM's lazy mode keeps twice the blocks one step can take free or offloaded.
+LAZY_WATERMARK = 2
 
 
 def _require_positive_int(name: str, value: object) -> None:
@@ -26,13 +33,15 @@ def _require_positive_int(name: str, value: object) -> None:
 
 @dataclass(frozen=True)
 class OffloadConfig:
-    """One engine with one GPU block pool, one CPU block pool and eager offloading.
+    """One engine with one GPU block pool, one CPU block pool and CPU offloading.
 
     ``gpu_blocks`` and ``cpu_blocks`` count every block of the pool, the null block 0
     included, so the usable capacity of each pool is one less. ``group_block_sizes`` holds
     one block size per full-attention KV group; the groups share both pools, as vLLM's
     groups share one ``BlockPool``. ``world_size`` is the number of workers that must
-    report a store before it counts as complete.
+    report a store before it counts as complete. ``lazy``: offload lazily (each step, the
+    cached blocks nearest eviction in the GPU free queue) instead of eagerly (each request's
+    blocks as they are computed).
     """
 
     gpu_blocks: int
@@ -40,6 +49,7 @@ class OffloadConfig:
     group_block_sizes: tuple[int, ...] = (16,)
     hash_block_size: int = 16
     world_size: int = 1
+    lazy: bool = False
     scheduler_block_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -47,6 +57,8 @@ class OffloadConfig:
         _require_positive_int("cpu_blocks", self.cpu_blocks)
         _require_positive_int("hash_block_size", self.hash_block_size)
         _require_positive_int("world_size", self.world_size)
+        if not isinstance(self.lazy, bool):
+            raise ConfigError(f"lazy must be a bool, got {self.lazy!r}")
         sizes = self.group_block_sizes
         if not isinstance(sizes, tuple) or not sizes:
             raise ConfigError(f"group_block_sizes must be a non-empty tuple, got {sizes!r}")
@@ -62,3 +74,12 @@ class OffloadConfig:
     @property
     def num_groups(self) -> int:
         return len(self.group_block_sizes)
+
+    @property
+    def lazy_target_free(self) -> int:
+        """GPU blocks the lazy scan covers per step, from the head of the free queue: twice
+        what one step's token budget can take in every group (vLLM's
+        ``_estimate_lazy_target_blocks`` for full-attention groups)."""
+        return LAZY_WATERMARK * sum(
+            -(-MAX_NUM_BATCHED_TOKENS // size) for size in self.group_block_sizes
+        )

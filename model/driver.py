@@ -49,13 +49,27 @@ class OffloadModel:
 
     # -- calls ------------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
-        """Queue a request; it decodes ``max_tokens`` tokens after its prompt, then finishes."""
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int = 1,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
+        """Queue a request; it decodes ``max_tokens`` tokens after its prompt, then finishes.
+        ``skip_reading_prefix_cache`` (vLLM's sampling parameter, set for requests that want
+        prompt logprobs): no prefix-cache hit is read for it, on the GPU or the CPU; its
+        blocks are cached and stored as any request's."""
         tokens = require_new_request(
-            self.config, request_id, prompt, max_tokens, self.engine.requests
+            self.config,
+            request_id,
+            prompt,
+            max_tokens,
+            self.engine.requests,
+            skip_reading_prefix_cache,
         )
         self._begin()
-        self.engine.add_request(request_id, tokens, max_tokens)
+        self.engine.add_request(request_id, tokens, max_tokens, skip_reading_prefix_cache)
         self._end()
 
     def step(self, token_budget: int) -> StepResult:

@@ -57,6 +57,7 @@ class Request:
     prompt: tuple[int, ...]
     max_tokens: int
     hash_block_size: int
+    skip_reading_prefix_cache: bool = False
     output: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
@@ -122,9 +123,19 @@ class Engine:
 
     # -- requests ---------------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
         self.requests[request_id] = Request(
-            request_id, tuple(prompt), max_tokens, self.config.hash_block_size
+            request_id,
+            tuple(prompt),
+            max_tokens,
+            self.config.hash_block_size,
+            skip_reading_prefix_cache,
         )
         self.waiting.append(request_id)
 
@@ -169,9 +180,14 @@ class Engine:
             local = external = 0
             load_async = False
             if req.num_computed_tokens == 0:
-                hit_blocks, local = find_longest_cache_hit(
-                    self.gpu_pool, req.digests, 0, req.num_tokens - 1, self.config
-                )
+                # vLLM's KV cache manager reads no prefix cache for a request that skips
+                # reading it. The connector is asked all the same, as vLLM's scheduler
+                # asks it (up to 0.32.0, nothing but the connector drops a CPU hit for such
+                # a request; bug S12 of docs/history.md).
+                if not req.skip_reading_prefix_cache:
+                    hit_blocks, local = find_longest_cache_hit(
+                        self.gpu_pool, req.digests, 0, req.num_tokens - 1, self.config
+                    )
                 external, load_async = self.connector.get_num_new_matched_tokens(req, local)
             num_new = (
                 0

@@ -36,6 +36,7 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - LOAD-PINNED: CPU blocks pinned by a lookup or a load are in use and mapped by their primary.
 - INTEGRITY: a damaged block (an injected fault) is a CPU block that still holds its key and
   is not in use: no lookup pinned it and no load reads it.
+- NO-READ: a request that skips reading the prefix cache holds no CPU hit and has no load.
 """
 
 from __future__ import annotations
@@ -44,7 +45,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from kvoffload.model.block_pool import BlockPool
-from kvoffload.model.engine import Engine
+from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import InvariantViolation
 from kvoffload.model.keys import block_keys
 from kvoffload.model.offload import Transfer
@@ -329,6 +330,17 @@ def integrity(state: Engine) -> Iterator[str]:
             yield f"damaged cpu block {block_id} is in use (ref count {b.ref_cnt})"
 
 
+def no_read(state: Engine) -> Iterator[str]:
+    c = state.connector
+    for req_id, req in state.requests.items():
+        if not req.skip_reading_prefix_cache:
+            continue
+        if req_id in c.pending_cpu_hits:
+            yield f"request {req_id!r} skips reading the prefix cache, yet holds a CPU hit"
+        if req_id in c.reqs_to_load or req_id in c.abandoned_reqs_to_load:
+            yield f"request {req_id!r} skips reading the prefix cache, yet loads from the CPU"
+
+
 CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "POOL-QUEUE": pool_queue,
     "POOL-MAP": pool_map,
@@ -349,6 +361,7 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "FLUSH-COMPLETE": flush_complete,
     "LOAD-PINNED": load_pinned,
     "INTEGRITY": integrity,
+    "NO-READ": no_read,
 }
 
 
@@ -395,5 +408,9 @@ def exercised(state: Engine) -> set[str]:
         "FLUSH-COMPLETE": any(any(r.confirmed_blocks) for r in state.finish_records),
         "LOAD-PINNED": bool(c.pending_cpu_hits or _loads(state)),
         "INTEGRITY": bool(cpu.damaged),
+        "NO-READ": any(
+            r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
+            for r in state.requests.values()
+        ),
     }
     return {name for name, present in subjects.items() if present}

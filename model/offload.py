@@ -1,10 +1,14 @@
-"""The connector's scheduler side in eager mode: vLLM's ``SimpleCPUOffloadScheduler``
-as fixed by PR #53532 (vLLM 0.30.0 and later), reduced to full-attention groups.
+"""The connector's scheduler side: vLLM's ``SimpleCPUOffloadScheduler`` as fixed by PR
+#53532 (vLLM 0.30.0 and later) and by 0.34.0's lazy mode, reduced to full-attention groups.
 
-It owns the CPU pool and borrows the engine's GPU pool. Per step it selects newly
-confirmed GPU blocks of every scheduled request, reserves CPU blocks for them, pins the GPU
-blocks and sends one store event; at finish it queues a final flush that the next store
-event carries; completions register every key of the source GPU block on the CPU block.
+It owns the CPU pool and borrows the engine's GPU pool. In eager mode, per step it selects
+newly confirmed GPU blocks of every scheduled request, reserves CPU blocks for them, pins the
+GPU blocks and sends one store event; at finish it queues a final flush that the next store
+event carries. In lazy mode (``OffloadConfig.lazy``), per step it walks the GPU free queue
+from its head (the blocks evicted next), up to ``lazy_target_free`` blocks, and stores the
+cached ones whose key the CPU pool does not hold; when their store completes they go back
+to the head of the GPU queue, since the CPU now holds them. In both modes completions
+register every key of the source GPU block on the CPU block.
 
 Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 
@@ -26,6 +30,11 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - FLUSH-COMPLETE: when a tracked request finishes, every block confirmed by then has a
   disposition: stored, already present, in flight, null, unhashed, or dropped for capacity.
 - LOAD-PINNED: CPU blocks pinned by a lookup or a load are in use and registered.
+- LAZY-SCAN: a lazy selection takes, in queue order, every cached GPU block of the first
+  ``lazy_target_free`` of the free queue whose key the CPU pool does not hold, until the CPU
+  pool's free blocks are all taken.
+- LAZY-EVICT-FIRST: the GPU blocks of a completed lazy store that become free are the first
+  of the free queue, in their store's order.
 """
 
 from __future__ import annotations
@@ -122,6 +131,26 @@ class CompletionRecord:
 
 
 @dataclass(frozen=True)
+class LazyScanRecord:
+    """A lazy selection, with the GPU free queue as it was before: each block's id, its key
+    and whether the CPU pool held that key."""
+
+    queue: tuple[tuple[int, BlockKey | None, bool], ...]
+    target_free: int
+    num_free: int
+    picks: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class LazyReturnRecord:
+    """A completed lazy store's GPU blocks, and the GPU free queue right after."""
+
+    gpu_block_ids: tuple[int, ...]
+    freed: tuple[int, ...]  # those that became free
+    queue_after: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ResetRecord:
     returned: bool
     abandoned: bool
@@ -170,6 +199,8 @@ class OffloadScheduler:
         self.completion_log: list[CompletionRecord] = []
         self.dropped_log: list[Transfer] = []  # stores dropped for a failed copy
         self.reset_log: list[ResetRecord] = []
+        self.lazy_scan_log: list[LazyScanRecord] = []
+        self.lazy_return_log: list[LazyReturnRecord] = []
 
     # -- lookup and load ------------------------------------------------------------------
 
@@ -180,6 +211,8 @@ class OffloadScheduler:
         stale = self.pending_cpu_hits.pop(request.request_id, None)
         if stale is not None:
             self._free_pending_cpu_hit(stale)
+        if not self.reads_for(request):
+            return 0, False
         if num_computed_tokens % self.block_size != 0:
             return 0, False
         if len(request.digests) <= num_computed_tokens // self.hash_block_size:
@@ -193,6 +226,12 @@ class OffloadScheduler:
             return 0, False
         self._pin_hit(request.request_id, PendingHit(blocks, hit, num_computed_tokens))
         return hit, True
+
+    def reads_for(self, request: Request) -> bool:
+        """Whether a CPU hit may be served to ``request``: not to one that skips reading the
+        prefix cache (PR #54998, vLLM 0.30.0; a prompt-logprobs request needs every prompt
+        token computed)."""
+        return not request.skip_reading_prefix_cache
 
     def _pin_hit(self, request_id: str, hit: PendingHit) -> None:
         """Pin a hit until the allocation takes it (PR #42289), so that no store
@@ -223,7 +262,7 @@ class OffloadScheduler:
         self, request: Request, block_ids: tuple[list[int], ...], num_external_tokens: int
     ) -> None:
         req_id = request.request_id
-        if req_id not in self.reqs_to_store:
+        if not self.config.lazy and req_id not in self.reqs_to_store:  # eager mode only
             self.reqs_to_store[req_id] = StoreState(
                 request,
                 tuple([] for _ in block_ids),
@@ -263,7 +302,10 @@ class OffloadScheduler:
     # -- eager store selection --------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
-        store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
+        if self.config.lazy:
+            store_gpu, store_cpu, store_req_ids = self._prepare_lazy_store_specs()
+        else:
+            store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
         # PR #53532: every queued final flush rides on this step's store event.
         for transfer in self.pending_finished_stores:
             store_gpu.extend(transfer.gpu_block_ids)
@@ -334,6 +376,42 @@ class OffloadScheduler:
             for g, n in enumerate(advanced):
                 state.num_stored_blocks[g] += n
         return merged_gpu, merged_cpu, req_ids
+
+    # -- lazy store selection ---------------------------------------------------------------
+
+    def _prepare_lazy_store_specs(self) -> tuple[list[int], list[int], list[str]]:
+        """The cached GPU blocks nearest eviction whose key the CPU pool lacks: the free
+        queue from its head, ``lazy_target_free`` blocks at most, as many as the CPU pool
+        has free. The stores belong to no request."""
+        target, num_free = self.config.lazy_target_free, self.cpu_pool.num_free_blocks
+        queue = self.lazy_scan_queue()
+        picked: list[int] = []
+        for covered, block_id in enumerate(queue):
+            if covered >= target or len(picked) >= num_free:
+                break
+            block = self.gpu_pool.blocks[block_id]
+            key = block.block_hash
+            if key is not None and not block.is_null and self.cpu_pool.get_one_block(key) is None:
+                picked.append(block_id)
+        self.lazy_scan_log.append(self._observe_scan(target, num_free, picked))
+        cpu_blocks = self.allocate_store_destinations(picked)
+        self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in picked])
+        return picked, [b.block_id for b in cpu_blocks], []
+
+    def lazy_scan_queue(self) -> list[int]:
+        """Where the lazy scan walks: the whole GPU free queue, from its head (0.34.0)."""
+        return list(self.gpu_pool.free_queue)
+
+    def _observe_scan(self, target: int, num_free: int, picked: list[int]) -> LazyScanRecord:
+        """The whole free queue before the picks are taken out of it."""
+        blocks = [self.gpu_pool.blocks[i] for i in self.gpu_pool.free_queue]
+        cached = self.cpu_pool.cached
+        return LazyScanRecord(
+            tuple((b.block_id, b.block_hash, b.block_hash in cached) for b in blocks),
+            target,
+            num_free,
+            tuple(picked),
+        )
 
     def allocate_store_destinations(self, gpu_ids: list[int]) -> list[Block]:
         """Reserve one CPU block per selected GPU block. Fixed code does not stamp them."""
@@ -472,7 +550,24 @@ class OffloadScheduler:
             )
             self.register_stored_block(gpu_block, cpu_block)
         self.cpu_pool.free_blocks(cpu_blocks)
-        self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in transfer.gpu_block_ids])
+        gpu_blocks = [self.gpu_pool.blocks[i] for i in transfer.gpu_block_ids]
+        if not self.config.lazy:
+            self.gpu_pool.free_blocks(gpu_blocks)
+            return
+        # Lazy stores come from the GPU's eviction end; now that the CPU holds them, they
+        # go back there (vLLM 0.34.0: evict_first).
+        self.return_lazy_blocks(gpu_blocks)
+        self.lazy_return_log.append(
+            LazyReturnRecord(
+                tuple(transfer.gpu_block_ids),
+                tuple(b.block_id for b in gpu_blocks if b.ref_cnt == 0),
+                tuple(self.gpu_pool.free_queue),
+            )
+        )
+
+    def return_lazy_blocks(self, gpu_blocks: list[Block]) -> None:
+        """Free a completed lazy store's GPU blocks to the head of the queue."""
+        self.gpu_pool.free_blocks(gpu_blocks, evict_first=True)
 
     def register_stored_block(self, gpu_block: Block, cpu_block: Block) -> None:
         """Register the GPU block's primary, then its secondary keys, on the CPU block."""
@@ -610,5 +705,7 @@ class OffloadScheduler:
         self.completion_log.clear()
         self.dropped_log.clear()
         self.reset_log.clear()
+        self.lazy_scan_log.clear()
+        self.lazy_return_log.clear()
         self.cpu_pool.allocation_log.clear()
         self.gpu_pool.allocation_log.clear()

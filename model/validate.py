@@ -66,13 +66,18 @@ def require_new_request(
     prompt: Sequence[int],
     max_tokens: int,
     known: Container[str],
+    skip_reading_prefix_cache: object = False,
 ) -> tuple[int, ...]:
-    """A new request: valid tokens, fits the GPU pool alone, an id not used before. Returns
-    the prompt's tokens."""
+    """A new request: valid tokens, fits the GPU pool alone, an id not used before, a flag
+    that is a bool. Returns the prompt's tokens."""
     tokens = require_tokens(prompt)
     require_request_fits(config, request_id, tokens, max_tokens)
     if request_id in known:
         raise DuplicateRequestError(f"request {request_id!r} already exists")
+    if not isinstance(skip_reading_prefix_cache, bool):
+        raise InvalidArgumentError(
+            f"skip_reading_prefix_cache must be a bool, got {skip_reading_prefix_cache!r}"
+        )
     return tokens
 
 

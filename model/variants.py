@@ -14,9 +14,14 @@ breaks:
   ``docs/upstream.md``): the stamp at allocation is put into the map directly at completion,
   so the primary is reachable, without its token count, and no secondary key is registered.
   Caught by REGISTERED.
+- ``serves-skip-reading``: vLLM <= 0.29.0 (PR #54998, in 0.30.0): the connector serves a CPU
+  hit to a request that skips reading the prefix cache (prompt logprobs), which vLLM's own
+  prefix cache never serves. No state invariant demands it: the machine finds it as a
+  difference (S12 of ``docs/history.md``).
 - ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``bug-53498-primary-only`` and
-  ``bug-53498-no-final-flush``) and its selection loop, whose cursors also pass over blocks
-  that need no store while the CPU pool is full (``SharedBudgetScheduler``).
+  ``bug-53498-no-final-flush``), ``serves-skip-reading``, and its selection loop, whose
+  cursors also pass over blocks that need no store while the CPU pool is full
+  (``SharedBudgetScheduler``).
 
 Older releases had more bugs, fixed before #53532 (``docs/history.md``):
 
@@ -127,6 +132,15 @@ class NoFinalFlushScheduler(OffloadScheduler):
         return None
 
 
+class ServesSkipReadingScheduler(OffloadScheduler):
+    """vLLM <= 0.29.0 (PR #54998): ``get_num_new_matched_tokens`` never looks at the
+    request's ``skip_reading_prefix_cache``, so a prompt-logprobs request is served a CPU hit
+    (its prompt logprobs then missing or short)."""
+
+    def reads_for(self, request: Request) -> bool:
+        return True
+
+
 class NoHitPinsScheduler(OffloadScheduler):
     """vLLM <= 0.21.0 (#39702, fixed by PR #42289): the lookup does not pin its CPU hit, and
     ``update_state_after_alloc`` looks the hit up again from the request's local prefix,
@@ -233,13 +247,19 @@ class InclusiveCpuScheduler(ResetReleasesHitsScheduler):
         return super().reset()
 
 
-_VLLM_029 = (PrimaryOnlyScheduler, NoFinalFlushScheduler, SharedBudgetScheduler)
+_VLLM_029 = (
+    PrimaryOnlyScheduler,
+    NoFinalFlushScheduler,
+    ServesSkipReadingScheduler,
+    SharedBudgetScheduler,
+)
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
     "bug-53498-phantom-primary": PhantomPrimaryScheduler,
     "bug-53498-no-final-flush": NoFinalFlushScheduler,
     "bug-53498-primary-only": PrimaryOnlyScheduler,
     "vllm-0.29": type("Vllm029Scheduler", _VLLM_029, {}),
+    "serves-skip-reading": ServesSkipReadingScheduler,
     "no-hit-pins": NoHitPinsScheduler,
     "step-dedup": StepDedupScheduler,
     "vllm-0.23": type("Vllm023Scheduler", (*_VLLM_029, AppendingPoolScheduler), {}),

@@ -34,10 +34,11 @@ FAILURES = Path(".hypothesis/kvoffload-failures")
 FORMAT = 1
 
 # Driver calls (``kvoffload.testing.lockstep``) and the types of their arguments: "int",
-# "str", or "ints" (a list of ints). Bad *values* are allowed: the machine's misuse rules
-# send them on purpose, and both sides must reject them alike.
+# "str", "ints" (a list of ints), or "flag" (a bool, or an int: what a misuse sends in its
+# place); a kind ending in "?" is an optional trailing argument. Bad *values* are allowed:
+# the machine's misuse rules send them on purpose, and both sides must reject them alike.
 CALLS: dict[str, tuple[str, ...]] = {
-    "add": ("str", "ints", "int"),
+    "add": ("str", "ints", "int", "flag?"),
     "step": ("int",),
     "finish": ("str",),
     "store": ("int", "int"),
@@ -171,8 +172,8 @@ def _plain(value: object) -> object:
 
 
 def _literal(value: object) -> str:
-    """``repr`` of a validated value: ints, strings, lists and tuples of them only."""
-    if isinstance(value, bool) or not isinstance(value, (int, str, list, tuple)):
+    """``repr`` of a validated value: bools, ints, strings, lists and tuples of them only."""
+    if not isinstance(value, (bool, int, str, list, tuple)):
         raise FailureFileError(f"not a literal value: {type(value).__name__}")
     if isinstance(value, (list, tuple)):
         items = ", ".join(_literal(v) for v in value)
@@ -195,6 +196,10 @@ def _is_int(value: object) -> bool:
 
 
 def _check_argument(kind: str, value: object, where: str) -> object:
+    kind = kind.removesuffix("?")
+    if kind == "flag":
+        _expect(isinstance(value, int), f"{where} must be a bool or an int, got {value!r}")
+        return value
     if kind == "int":
         _expect(_is_int(value), f"{where} must be an int, got {value!r}")
         return value
@@ -215,15 +220,17 @@ def _check_call(n: int, call: object) -> tuple[Any, ...]:
     name, *args = call
     _expect(name in CALLS, f"program[{n}]: unknown call {name!r}; known: {sorted(CALLS)}")
     kinds = CALLS[name]
+    required = sum(1 for kind in kinds if not kind.endswith("?"))
+    takes = str(required) if required == len(kinds) else f"{required} to {len(kinds)}"
     _expect(
-        len(args) == len(kinds),
-        f"program[{n}]: {name!r} takes {len(kinds)} arguments, got {len(args)}",
+        required <= len(args) <= len(kinds),
+        f"program[{n}]: {name!r} takes {takes} arguments, got {len(args)}",
     )
     return (
         name,
         *(
             _check_argument(kind, arg, f"program[{n}] argument {i + 1}")
-            for i, (kind, arg) in enumerate(zip(kinds, args, strict=True))
+            for i, (kind, arg) in enumerate(zip(kinds, args, strict=False))
         ),
     )
 

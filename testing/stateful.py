@@ -56,6 +56,9 @@ PROMPTS = st.one_of(
 # One output token half the time: the request then finishes in the step that computes its
 # last blocks, and they go out in the final flush.
 MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 6))
+# A request that skips reading the prefix cache (prompt logprobs), one in eight (each one
+# is a CPU hit not taken: more would make loads rare); shrinks to an ordinary request.
+SKIP_READING = st.integers(0, 7).map(lambda n: n == 7)
 SETTLE_ROUNDS = 8  # requests that deadlock on a full pool (no preemption) stop it
 HOLD_OUTPUTS = 4  # a filler held by ``evict`` decodes this long: it keeps its blocks
 BUDGETS = st.integers(0, 24)
@@ -175,20 +178,22 @@ class ConformanceMachine(RuleBasedStateMachine):
         need = sum(-(-(len(tokens) + max_tokens - 1) // s) for s in self.config.group_block_sizes)
         return need < self.config.gpu_blocks
 
-    @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS)
-    def add_request(self, tokens: list[int], max_tokens: int) -> None:
-        self.admit(tokens, max_tokens, "add_request")
+    @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS, skip=SKIP_READING)
+    def add_request(self, tokens: list[int], max_tokens: int, skip: bool) -> None:
+        self.admit(tokens, max_tokens, "add_request", skip_reading=skip)
 
     # A repeated prompt is what offloading is for, and independent draws from PROMPTS rarely
     # repeat one: the CPU hit paths (a hit's pin while allocation fails, a final flush over
     # blocks already stored) need an earlier prompt again while its blocks are cached. It
     # comes back as it was or with a new tail (a follow-up turn): a hit never covers a
     # prompt's last token, so only a longer prompt can hit its last block.
-    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS)
-    def repeat_request(self, data: st.DataObject, tail: list[int], max_tokens: int) -> None:
+    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS, skip=SKIP_READING)
+    def repeat_request(
+        self, data: st.DataObject, tail: list[int], max_tokens: int, skip: bool
+    ) -> None:
         if self.prompts:
             earlier = data.draw(st.sampled_from(self.prompts))
-            self.admit(earlier + tail, max_tokens, "repeat_request")
+            self.admit(earlier + tail, max_tokens, "repeat_request", skip_reading=skip)
 
     def admit(
         self,
@@ -197,10 +202,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         rule_name: str,
         continued: bool = False,
         remember: bool = True,
+        skip_reading: bool = False,
     ) -> None:
         if len(self.model.live_requests()) >= 3 or not self.fits(tokens, max_tokens):
             return
-        self.run(("add", f"r{self.next_id}", tokens, max_tokens), rule_name, continued)
+        call: Call = ("add", f"r{self.next_id}", tokens, max_tokens)
+        self.run((*call, True) if skip_reading else call, rule_name, continued)
         if remember:
             self.prompts.append(tokens)
         self.next_id += 1
@@ -317,6 +324,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             ("add", fresh, [0, -1], 1),
             ("add", fresh, [0, MAX_TOKEN_ID + 1], 1),
             ("add", fresh, [0], 0),
+            ("add", fresh, [0], 1, 1),  # the flag must be a bool
             ("add", fresh, too_long, 1),
             ("step", -1),
             ("finish", fresh),
@@ -380,9 +388,17 @@ class LoadingConformanceMachine(ConformanceMachine):
             self.admit(earlier + tail, max_tokens, "evict", continued=True)
             self.run(("step", budget), "evict", continued=True)
             # An operator's reset while that request waits with its hit pinned: reset()
-            # must let the pin go, or the CPU cache cannot be cleared (S21).
+            # must let the pin go, or the CPU cache cannot be cleared (S21). Or the request
+            # is aborted while it waits: its finish must let the pin go too.
+            recalled = f"r{self.next_id - 1}"
             if hold and self.resets and data.draw(st.booleans()):
                 self.run(("reset",), "evict", continued=True)
+            elif (
+                hold
+                and recalled in self.model.live_requests()
+                and data.draw(st.integers(0, 3)) == 3  # a quarter: an abort loses a load
+            ):
+                self.run(("finish", recalled), "evict", continued=True)
 
     def run_until_computed(self, request_id: str, tokens: int, budget: int) -> None:
         """Steps until ``request_id`` has computed ``tokens`` (its prompt), at most

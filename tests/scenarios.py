@@ -181,4 +181,14 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         [("add", "a", P40, 1), ("step", 64), ("step", 0), ("store", 0, 0), ("store", 0, 0)],
     ),
     "request-longer-than-gpu-pool": (cfg(4, 16), [("add", "a", P64, 1), ("step", 64)]),
+    # A request that skips reading the prefix cache (prompt logprobs): its prompt is on the
+    # CPU only, then on the GPU too; it is computed whole both times, and stored as usual.
+    "skip-reading-after-eviction": (
+        cfg(5),
+        [*STORE_THEN_EVICT[:-2], ("add", "b", P40, 1, True), ("step", 64), ("step", 0)],
+    ),
+    "skip-reading-on-gpu-hit": (
+        cfg(),
+        [("add", "a", P40, 4), ("step", 64), ("add", "b", P40, 1, True), ("step", 64)],
+    ),
 }

@@ -74,6 +74,11 @@ CASES: list[tuple[Callable[[Target], object], type[KVOffloadError], str]] = [
     (lambda m: m.add_request("x", [True]), InvalidArgumentError, "token id must be an int"),
     (lambda m: m.lookup([2**31]), InvalidArgumentError, "token id must be <= 2147483647"),
     (lambda m: m.add_request("x", [1], max_tokens=0), InvalidArgumentError, "max_tokens"),
+    (
+        lambda m: m.add_request("x", [1], 1, 1),  # type: ignore[arg-type]
+        InvalidArgumentError,
+        "skip_reading_prefix_cache must be a bool, got 1",
+    ),
     (lambda m: m.step(-1), InvalidArgumentError, "token_budget must be >= 0"),
     (lambda m: m.finish("nope"), UnknownRequestError, "unknown request 'nope'"),
     (lambda m: m.finish("done"), RequestFinishedError, "'done' has already finished"),

@@ -13,7 +13,14 @@ import pytest
 from kvoffload.main import main
 from kvoffload.testing.failure import FailureFileError, load, validate
 
-PROGRAM = [["add", "r0", [0, 1, 2, 3, 4], 2], ["step", 8], ["step", 8], ["drain"]]
+PROGRAM = [
+    ["add", "r0", [0, 1, 2, 3, 4], 2],
+    ["step", 8],
+    ["step", 8],
+    ["drain"],
+    ["add", "r1", [0, 1, 2, 3, 4], 1, True],  # a request that skips reading the cache
+    ["step", 8],
+]
 
 
 def _failure(**changes: Any) -> dict[str, Any]:
@@ -50,6 +57,7 @@ def _hostile(mark: Path) -> dict[str, dict[str, Any]]:
         "quotes": _failure(disagreement=f"'''\"\"\"\\\n{code} #"),
         "call argument": _failure(program=[["finish", f"x'); {code}; ('"], *PROGRAM]),
         "request id": _failure(program=[["add", f'r0"); {code}; ("', [1, 2], 1]]),
+        "flag": _failure(program=[["add", "r0", [1, 2], 1, f"True); {code}; (1"]]),
         "config key": _failure(config=config | {f"x=1, y={code}": 1}),
         "config value": _failure(config=config | {"gpu_blocks": code}),
         "adapter": _failure(adapter=f"impl', device={code}, x='"),
@@ -127,6 +135,16 @@ def _bad_shapes() -> list[tuple[str, dict[str, Any], str]]:
         ("empty program", _failure(program=[]), "program is empty"),
         ("unknown call", _failure(program=[["explode"]]), "unknown call 'explode'"),
         ("wrong arity", _failure(program=[["step"]]), "'step' takes 1 arguments, got 0"),
+        (
+            "too many arguments",
+            _failure(program=[["add", "r", [1], 1, True, 2]]),
+            "'add' takes 3 to 4 arguments, got 5",
+        ),
+        (
+            "flag not a bool",
+            _failure(program=[["add", "r", [1], 1, "yes"]]),
+            "argument 4 must be a bool or an int",
+        ),
         ("wrong type", _failure(program=[["step", "8"]]), "argument 1 must be an int"),
         ("tokens not ints", _failure(program=[["lookup", [1, "2"]]]), "must be a list of ints"),
         ("call not a list", _failure(program=["step"]), "must be a list starting with"),

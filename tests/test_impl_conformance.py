@@ -30,6 +30,7 @@ FAULT_SCENARIO = {
     "failed-store-registers": "failed-store-dropped",
     "duplicate-report-counted": "report-delivered-twice",
     "fit-counts-cpu-pool": "request-longer-than-gpu-pool",
+    "serves-skip-reading": "skip-reading-after-eviction",
 }
 
 

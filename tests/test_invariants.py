@@ -127,6 +127,8 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     "INTEGRITY": lambda m: m.engine.connector.cpu_pool.damaged.add(
         m.engine.connector.reqs_to_load["b"].transfer.cpu_block_ids[0]
     ),
+    # b loads from the CPU: as if it had asked to skip reading the prefix cache
+    "NO-READ": lambda m: setattr(m.engine.requests["b"], "skip_reading_prefix_cache", True),
 }
 
 

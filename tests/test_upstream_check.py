@@ -134,6 +134,21 @@ BAD_INPUT = [
     ("store", 0, 0),
     ("finish", "r0"),
 ]
+# A prompt stored by the eager scan while its request decodes, then asked for again by a
+# request that skips reading the prefix cache (S12): neither tier may serve it.
+SKIP_READING = [
+    ("add", "r0", list(range(9)), 3),
+    ("step", 16),
+    ("step", 16),
+    ("drain",),
+    ("step", 16),
+    ("step", 16),
+    ("drain",),
+    ("add", "r1", list(range(9)), 1, True),
+    ("step", 16),
+    ("step", 16),
+    ("drain",),
+]
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
 Case = tuple[str, list[tuple[Any, ...]], str, str | None]
@@ -145,14 +160,26 @@ CASES: dict[str, list[Case]] = {
         (SMALL, FLUSH, "vllm-0.29", None),
         (SMALL, CURSOR, "bug-53498-primary-only", "snapshots differ in ['tracked']"),
         (SMALL, CURSOR, "vllm-0.29", None),
+        (LARGE, SKIP_READING, "vllm-0.29", None),
+        (
+            LARGE,
+            SKIP_READING,
+            "bug-53498-primary-only+bug-53498-no-final-flush+selection-0.29",
+            "call 8 ('step', 16): model returned StepResult(scheduled={'r1': (0, 9)}",
+        ),
     ],
-    "0.30.0": [(SMALL, STAMP, "fixed", None), (SMALL, FLUSH, "fixed", None)],
+    "0.30.0": [
+        (SMALL, STAMP, "fixed", None),
+        (SMALL, FLUSH, "fixed", None),
+        (LARGE, SKIP_READING, "fixed", None),
+    ],
     "0.34.0": [
         (SMALL, FLUSH, "inclusive-cpu", None),
         (LARGE, REFRESH, "inclusive-cpu", None),
         (LARGE, REFRESH, "fixed", "call 6 ('step', 8): snapshots differ in ['cpu']"),
         (LARGE, LOADS_TOGETHER, "inclusive-cpu", None),
         (SMALL, BAD_INPUT, "inclusive-cpu", None),
+        (LARGE, SKIP_READING, "inclusive-cpu", None),
     ],
 }
 

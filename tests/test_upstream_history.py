@@ -172,6 +172,21 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[int, int, tuple[int, ...], int, int], lis
     ),
     # the CPU block stamped with the GPU block's key at allocation
     "S10": (SMALL, [("add", "r0", [0, 1, 2, 3], 2), ("step", 8), ("step", 8)]),
+    # r0 stored while it decodes, then asked for by a request that skips reading the cache
+    "S12": (
+        LARGE,
+        [
+            ("add", "r0", list(range(9)), 3),
+            ("step", 16),
+            ("step", 16),
+            ("drain",),
+            ("step", 16),
+            ("step", 16),
+            ("drain",),
+            ("add", "r1", list(range(9)), 1, True),
+            ("step", 16),
+        ],
+    ),
     # a reset while a hit waits pinned
     "S21": (
         LARGE,

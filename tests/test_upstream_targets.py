@@ -68,7 +68,11 @@ def test_expect_overrides_the_checks() -> None:
     target = parse("vllm==0.29.0")
     assert len(checks_for(target, None)[1]) == 3
     assert checks_for(target, "conform")[1] == (
-        Check("vllm-0.29", "conform", "both bugs of #53498 modelled"),
+        Check(
+            "vllm-0.29",
+            "conform",
+            "both bugs of #53498 and the CPU hits of requests that skip reading modelled",
+        ),
     )
     assert checks_for(target, "fixed")[1] == (Check("fixed", "conform", "--expect fixed"),)
     with pytest.raises(ConfigError, match="neither 'conform' nor a model variant"):

@@ -53,6 +53,7 @@ class HistoricalBug:
 # vLLM 0.29.0's other bugs and its selection loop, which the fixed model of 0.30.0 has not.
 _S10 = "bug-53498-primary-only"
 _S9 = "bug-53498-no-final-flush"
+_S12 = "serves-skip-reading"
 BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S1",
@@ -132,10 +133,11 @@ BUGS: list[HistoricalBug] = [
         "no final flush at request finish",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+selection-0.29",
+        f"{_S10}+{_S12}+selection-0.29",
         "fixed",
         "pending_flushes",
-        "0.29.0's registration (S10) and selection loop modelled",
+        "0.29.0's registration (S10), CPU hits for requests that skip reading (S12) and "
+        "selection loop modelled",
     ),
     HistoricalBug(
         "S10",
@@ -143,10 +145,11 @@ BUGS: list[HistoricalBug] = [
         "stores registered without _insert_block_hash: stamped primary, no secondary keys",
         "0.29.0",
         "0.30.0",
-        f"{_S9}+selection-0.29",
+        f"{_S9}+{_S12}+selection-0.29",
         "fixed",
         "snapshots differ in ['cpu']",
-        "0.29.0's missing final flush (S9) and selection loop modelled",
+        "0.29.0's missing final flush (S9), CPU hits for requests that skip reading (S12) "
+        "and selection loop modelled",
     ),
     HistoricalBug(
         "S11",
@@ -159,10 +162,13 @@ BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S12",
         "PR #54998",
-        "skip_reading_prefix_cache not respected",
+        "skip_reading_prefix_cache not respected: a CPU hit served to a prompt-logprobs request",
         "0.29.0",
         "0.30.0",
-        out_of_reach="request flags (prompt logprobs)",
+        f"{_S10}+{_S9}+selection-0.29",
+        "fixed",
+        "'loads'",
+        "0.29.0's registration (S10), missing final flush (S9) and selection loop modelled",
     ),
     HistoricalBug(
         "S13",

@@ -37,7 +37,12 @@ class VllmRequest(Request):
     """A model request with its vLLM twin: what the engine changes, it changes in both."""
 
     def __init__(
-        self, request_id: str, prompt: Sequence[int], max_tokens: int, engine: VllmEngine
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        engine: VllmEngine,
+        skip_reading_prefix_cache: bool = False,
     ) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request as Vllm
@@ -48,12 +53,20 @@ class VllmRequest(Request):
                 Vllm,
                 request_id=request_id,
                 prompt_token_ids=list(prompt),
-                sampling_params=SamplingParams(max_tokens=max_tokens),
+                sampling_params=SamplingParams(
+                    max_tokens=max_tokens, skip_reading_prefix_cache=skip_reading_prefix_cache
+                ),
                 pooling_params=None,
                 block_hasher=engine.world.block_hasher,
             )
         )
-        super().__init__(request_id, tuple(prompt), max_tokens, engine.config.hash_block_size)
+        super().__init__(
+            request_id,
+            tuple(prompt),
+            max_tokens,
+            engine.config.hash_block_size,
+            skip_reading_prefix_cache,
+        )
         self.keys.learn(self.digests, self.vllm.block_hashes)
 
     # The manager reads the vLLM request's count: the model's engine writes it there.
@@ -258,8 +271,16 @@ class VllmEngine(Engine):
         self.gpu_pool = cast(BlockPool, self.vllm_pool)
         self.connector = cast(OffloadScheduler, VllmConnector(world, self.requests))
 
-    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
-        self.requests[request_id] = VllmRequest(request_id, prompt, max_tokens, self)
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
+        self.requests[request_id] = VllmRequest(
+            request_id, prompt, max_tokens, self, skip_reading_prefix_cache
+        )
         self.waiting.append(request_id)
 
     def vllm_requests(self) -> dict[str, VllmRequest]:

@@ -57,7 +57,7 @@ RELEASES = {
             ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"],
             "vllm-0.29",
             "reset() (PR #39726) and the pool of 0.29.0; both bugs of #53498",
-            "both bugs of #53498 modelled",
+            "both bugs of #53498 and the CPU hits of requests that skip reading modelled",
         ),
         Release(
             "0.29.0",
@@ -65,13 +65,18 @@ RELEASES = {
             (
                 Check("fixed", "disagree", "a bug of #53498 against the fixed model"),
                 Check(
-                    "bug-53498-primary-only",
+                    "bug-53498-primary-only+serves-skip-reading",
                     "disagree",
-                    "with its registration modelled, the missing final flush",
+                    "with its registration and its CPU hits for requests that skip reading "
+                    "modelled, the missing final flush",
                     # seen as a queued flush in the snapshot, or in a finish's result
                     finds="flush",
                 ),
-                Check("vllm-0.29", "conform", "both bugs of #53498 modelled"),
+                Check(
+                    "vllm-0.29",
+                    "conform",
+                    "both bugs of #53498 and the CPU hits of requests that skip reading modelled",
+                ),
             ),
         ),
         *_conforming(

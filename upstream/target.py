@@ -60,11 +60,22 @@ class VllmOffload:
 
     # -- the driver API -------------------------------------------------------------------
 
-    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int = 1) -> None:
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int = 1,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
         tokens = require_new_request(
-            self.config, request_id, prompt, max_tokens, self.engine.requests
+            self.config,
+            request_id,
+            prompt,
+            max_tokens,
+            self.engine.requests,
+            skip_reading_prefix_cache,
         )
-        self.engine.add_request(request_id, tokens, max_tokens)
+        self.engine.add_request(request_id, tokens, max_tokens, skip_reading_prefix_cache)
 
     def step(self, token_budget: int) -> StepResult:
         require_int("token_budget", token_budget, 0)

@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from kvoffload.model.config import OffloadConfig
+from kvoffload.model.config import MAX_NUM_BATCHED_TOKENS, OffloadConfig
 
 # Layer shape of every group: the scheduler never looks at bytes, only at block counts.
 NUM_KV_HEADS, HEAD_SIZE, MAX_MODEL_LEN = 1, 8, 2048
@@ -116,7 +116,8 @@ def build(config: OffloadConfig) -> World:
         scheduler_config=SchedulerConfig(
             **keywords(
                 SchedulerConfig,
-                max_num_batched_tokens=MAX_MODEL_LEN,
+                # sizes the lazy scan: the model's constant (OffloadConfig.lazy_target_free)
+                max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS,
                 max_model_len=MAX_MODEL_LEN,
                 enable_chunked_prefill=True,
                 is_encoder_decoder=False,
@@ -172,7 +173,7 @@ def build(config: OffloadConfig) -> World:
                 num_cpu_blocks=config.cpu_blocks,
                 scheduler_block_size=config.scheduler_block_size,
                 hash_block_size=config.hash_block_size,
-                lazy_offload=False,
+                lazy_offload=config.lazy,
             )
         )
 
