@@ -13,7 +13,7 @@ IN-FLIGHT, RESET, EVENTS, LOAD-PINNED.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Container, Sequence
+from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -60,10 +60,12 @@ class Hit:
 
 
 class Connector:
-    """Scheduler side of eager CPU offloading."""
+    """Scheduler side of CPU offloading, eager or lazy (``OffloadConfig.lazy``)."""
 
     def __init__(self, config: OffloadConfig, gpu: Pool) -> None:
         self.config = config
+        self.lazy = config.lazy
+        self.lazy_target = config.lazy_target_free
         self.sizes = config.group_block_sizes
         self.align = config.scheduler_block_size
         self.hbs = config.hash_block_size
@@ -186,7 +188,7 @@ class Connector:
         self, request: ImplRequest, tables: tuple[list[int], ...], external: int
     ) -> None:
         rid = request.request_id
-        if rid not in self.trackers:
+        if not self.lazy and rid not in self.trackers:  # eager stores follow requests
             self.trackers[rid] = Tracker(request, tuple([] for _ in tables), [0] * len(tables))
         hit = self.hits.pop(rid, None)
         if hit is None:
@@ -218,6 +220,10 @@ class Connector:
         gpu: list[int] = []
         cpu: list[int] = []
         reqs: list[str] = []
+        if self.lazy:
+            gpu = self.select_lazy()
+            cpu = self.reserve(gpu)
+            self.gpu.pin(gpu)
         for rid, new_ids, num_tokens in scheduled:
             tracker = self.trackers.get(rid)
             if tracker is None or tracker.finished:
@@ -270,6 +276,28 @@ class Connector:
             tuple(load_cpu),
             {e: tuple(r) for e, r in self.load_events.items()},
         )
+
+    def select_lazy(self) -> list[int]:
+        """Lazy mode: the keyed GPU blocks nearest eviction (the free queue from its front,
+        ``lazy_target_free`` blocks at most) whose key the CPU does not hold, as many as the
+        CPU has free blocks."""
+        room, key, index = self.cpu.num_free, self.gpu.key, self.cpu.index
+        picked: list[int] = []
+        for covered, block in enumerate(self.lazy_queue()):
+            if covered >= self.lazy_target or len(picked) >= room:
+                break
+            self.visited(block)
+            k = key[block]
+            if k is not None and k not in index:
+                picked.append(block)
+        return picked
+
+    def lazy_queue(self) -> Iterable[int]:
+        """Where the lazy scan walks: the GPU free queue from its front."""
+        return iter(self.gpu.free)
+
+    def visited(self, block: int) -> None:
+        """A block the lazy scan looked at (kept by nothing here)."""
 
     def storable(self, window: Sequence[int]) -> list[int]:
         """The skip rules, over a window of a block table: the blocks that are not null,
@@ -360,13 +388,18 @@ class Connector:
         else:
             self.publish(copy)
             self.cpu.release(copy.cpu)
-            self.gpu.release(copy.gpu)
+            # A lazy store's blocks came from the GPU's eviction end: back there, now that
+            # the CPU holds them (vLLM 0.34.0).
+            self.return_gpu_blocks(copy.gpu)
         for rid in self.store_reqs.pop(event, []):
             tracker = self.trackers.get(rid)
             if tracker is not None:
                 tracker.events.discard(event)
                 if tracker.finished and not tracker.events:
                     self.untrack(rid)
+
+    def return_gpu_blocks(self, blocks: list[int]) -> None:
+        self.gpu.release(blocks, evict_first=self.lazy)
 
     def publish(self, copy: Copy) -> None:
         """Register every key of each source on its copy: the primary first, with its token

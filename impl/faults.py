@@ -7,7 +7,7 @@ contract: the integrity of host blocks, the input checks) it comes from.
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, replace
 
 from kvoffload.impl.connector import Connector, Copy, Tracker
@@ -189,6 +189,35 @@ class ServesSkipReading(Connector):
         return True
 
 
+class LazyReturnsToTail(Connector):
+    """vLLM 0.30.0 to 0.33.0 (S26, #40332): a completed lazy store frees its GPU blocks as
+    any others, to the tail of the queue (most recently used), though the CPU now holds
+    them: offloading then frees no GPU room before fresher blocks."""
+
+    def return_gpu_blocks(self, blocks: list[int]) -> None:
+        self.gpu.release(blocks)
+
+
+class LazyStaleCursor(Connector):
+    """vLLM 0.30.0 to 0.33.0 (S27): the lazy scan resumes after the block it visited last,
+    kept across steps and dropped only when that block is taken; once that block has moved
+    in the queue, the blocks before it are never scanned."""
+
+    cursor: int | None = None
+
+    def lazy_queue(self) -> Iterable[int]:
+        if self.cursor is not None and self.gpu.ref[self.cursor] > 0:
+            self.cursor = None
+        return self.gpu.free.after(self.cursor)
+
+    def visited(self, block: int) -> None:
+        self.cursor = block
+
+    def reset(self) -> bool:
+        self.cursor = None
+        return super().reset()
+
+
 class StoreSkipsComputeWait(Worker):
     """vLLM #45704: the store copy must wait on an event recorded after the step's compute;
     without the wait it can read KV the compute stream has not written yet."""
@@ -275,6 +304,8 @@ FAULTS: dict[str, Fault] = {
         Fault("partial-completions-dropped", PartialCompletionsDropped, "EVENTS"),
         Fault("lookup-pin-missing", LookupPinMissing, "REF-CPU"),
         Fault("serves-skip-reading", ServesSkipReading, "NO-READ"),
+        Fault("lazy-returns-to-tail", LazyReturnsToTail, "LAZY-EVICT-FIRST"),
+        Fault("lazy-stale-cursor", LazyStaleCursor, "LAZY-SCAN"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

@@ -63,7 +63,12 @@ class FreeQueue:
         return self.size
 
     def __iter__(self) -> Iterator[int]:
-        nxt, b = self.nxt, self.nxt[self.head]
+        return self.after(None)
+
+    def after(self, block: int | None) -> Iterator[int]:
+        """The queue from the block after ``block`` (a queued block), or from the front."""
+        nxt = self.nxt
+        b = nxt[self.head if block is None else block]
         while b != self.tail:
             yield b
             b = nxt[b]
@@ -243,9 +248,10 @@ class Pool:
             ref[block] = count + 1
         self.free.size -= unlinked
 
-    def release(self, blocks: Iterable[int]) -> None:
+    def release(self, blocks: Iterable[int], evict_first: bool = False) -> None:
         """Drop one ref of each block; a block whose count reaches 0 goes to the back of the
-        free queue, or to the front, in order, when it holds no key (reused first)."""
+        free queue, or to the front, in order, when it holds no key (reused first) or with
+        ``evict_first`` (another tier holds its data)."""
         ref, key = self.ref, self.key
         back: list[int] = []
         reuse_first: list[int] = []
@@ -253,7 +259,8 @@ class Pool:
             count = ref[block] - 1
             ref[block] = count
             if count == 0 and block != NULL:
-                (back if key[block] is not None else reuse_first).append(block)
+                first = evict_first or key[block] is None
+                (reuse_first if first else back).append(block)
         if back:
             self.free.append(back)
         if reuse_first:

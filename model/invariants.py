@@ -26,7 +26,8 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - REGISTERED: a completed store maps the GPU block's primary (with its token count) and
   every secondary key to the CPU block, which is free.
 - PENDING: has_pending_stores() iff a flush is queued or a store is in flight or abandoned.
-- IN-FLIGHT: the in-flight set equals the GPU blocks of queued flushes and in-flight events.
+- IN-FLIGHT: the in-flight set equals the GPU blocks of queued flushes and in-flight events
+  (eager mode); lazy mode keeps none (a lazy store's pin keeps its block out of the queue).
 - RESET: after reset no flush is queued; it returned True iff nothing was abandoned and the
   CPU pool was idle, and then the CPU pool holds no key.
 - EVENTS: events are issued in order without reuse, every known event is below its
@@ -37,6 +38,11 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - INTEGRITY: a damaged block (an injected fault) is a CPU block that still holds its key and
   is not in use: no lookup pinned it and no load reads it.
 - NO-READ: a request that skips reading the prefix cache holds no CPU hit and has no load.
+- LAZY-SCAN: a lazy selection takes, in queue order, every cached block of the first
+  ``lazy_target_free`` of the GPU free queue whose key the CPU pool does not hold, until as
+  many as the CPU pool had free are taken; it takes nothing else.
+- LAZY-EVICT-FIRST: the GPU blocks of a completed lazy store that become free are the first
+  blocks of the GPU free queue, in their store's order.
 """
 
 from __future__ import annotations
@@ -233,6 +239,7 @@ def in_flight(state: Engine) -> Iterator[str]:
         i
         for t in [*c.pending_finished_stores, *c.store_event_to_blocks.values()]
         for i in t.gpu_block_ids
+        if not state.config.lazy
     }
     if c.in_flight_store_gpu_blocks != expected:
         yield (
@@ -341,6 +348,31 @@ def no_read(state: Engine) -> Iterator[str]:
             yield f"request {req_id!r} skips reading the prefix cache, yet loads from the CPU"
 
 
+def lazy_scan(state: Engine) -> Iterator[str]:
+    for scan in state.connector.lazy_scan_log:
+        expected: list[int] = []
+        for covered, (block_id, key, on_cpu) in enumerate(scan.queue):
+            if covered >= scan.target_free or len(expected) >= scan.num_free:
+                break
+            if key is not None and not on_cpu:
+                expected.append(block_id)
+        if list(scan.picks) != expected:
+            yield (
+                f"the lazy scan took GPU blocks {list(scan.picks)}; the cached blocks nearest "
+                f"eviction without a CPU copy were {expected}"
+            )
+
+
+def lazy_evict_first(state: Engine) -> Iterator[str]:
+    for ret in state.connector.lazy_return_log:
+        head = ret.queue_after[: len(ret.freed)]
+        if head != ret.freed:
+            yield (
+                f"lazily stored GPU blocks {list(ret.freed)} came back free, but the free "
+                f"queue starts {list(head)}"
+            )
+
+
 CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "POOL-QUEUE": pool_queue,
     "POOL-MAP": pool_map,
@@ -362,6 +394,8 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "LOAD-PINNED": load_pinned,
     "INTEGRITY": integrity,
     "NO-READ": no_read,
+    "LAZY-SCAN": lazy_scan,
+    "LAZY-EVICT-FIRST": lazy_evict_first,
 }
 
 
@@ -408,6 +442,8 @@ def exercised(state: Engine) -> set[str]:
         "FLUSH-COMPLETE": any(any(r.confirmed_blocks) for r in state.finish_records),
         "LOAD-PINNED": bool(c.pending_cpu_hits or _loads(state)),
         "INTEGRITY": bool(cpu.damaged),
+        "LAZY-SCAN": any(s.picks for s in c.lazy_scan_log),
+        "LAZY-EVICT-FIRST": any(r.freed for r in c.lazy_return_log),
         "NO-READ": any(
             r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
             for r in state.requests.values()

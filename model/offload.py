@@ -386,14 +386,17 @@ class OffloadScheduler:
         target, num_free = self.config.lazy_target_free, self.cpu_pool.num_free_blocks
         queue = self.lazy_scan_queue()
         picked: list[int] = []
+        visited: list[int] = []
         for covered, block_id in enumerate(queue):
             if covered >= target or len(picked) >= num_free:
                 break
+            visited.append(block_id)
             block = self.gpu_pool.blocks[block_id]
             key = block.block_hash
             if key is not None and not block.is_null and self.cpu_pool.get_one_block(key) is None:
                 picked.append(block_id)
         self.lazy_scan_log.append(self._observe_scan(target, num_free, picked))
+        self.after_lazy_scan(visited)
         cpu_blocks = self.allocate_store_destinations(picked)
         self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in picked])
         return picked, [b.block_id for b in cpu_blocks], []
@@ -401,6 +404,9 @@ class OffloadScheduler:
     def lazy_scan_queue(self) -> list[int]:
         """Where the lazy scan walks: the whole GPU free queue, from its head (0.34.0)."""
         return list(self.gpu_pool.free_queue)
+
+    def after_lazy_scan(self, visited: list[int]) -> None:
+        """What the scan keeps of the blocks it visited: nothing (0.34.0)."""
 
     def _observe_scan(self, target: int, num_free: int, picked: list[int]) -> LazyScanRecord:
         """The whole free queue before the picks are taken out of it."""

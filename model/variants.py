@@ -35,6 +35,19 @@ Older releases had more bugs, fixed before #53532 (``docs/history.md``):
   scan. Caught by IN-FLIGHT (nothing is in flight between steps).
 - ``vllm-0.21``: vLLM 0.19.0 to 0.21.0 as they are: ``vllm-0.29`` with both.
 
+Lazy mode had two bugs up to 0.33.0, fixed in 0.34.0 (the lazy scan of vLLM 0.30.0 to 0.33.0
+is the same code):
+
+- ``lazy-cursor`` (S27): the scan resumes after the block it visited last, a cursor kept
+  across steps and dropped only when that block leaves the free queue (or at ``reset()``);
+  a cursor that moved (its block freed again elsewhere in the queue) skips the blocks
+  before it, and so does one left behind blocks that need storing again (their CPU copy
+  evicted). Caught by LAZY-SCAN.
+- ``lazy-tail`` (S26, #40332): a completed lazy store frees its GPU blocks to the tail of the
+  queue, as the most recently used, though the CPU now holds them. Caught by
+  LAZY-EVICT-FIRST.
+- ``lazy-0.33``: both.
+
 Later vLLM releases changed the semantics on purpose; their variants add those changes to
 the fixed model, so that a release is compared with what it means to do:
 
@@ -187,6 +200,38 @@ class StepDedupScheduler(OffloadScheduler):
         return meta
 
 
+class LazyCursorScheduler(OffloadScheduler):
+    """vLLM 0.30.0 to 0.33.0 (S27): the lazy scan starts after ``_cursor``, the block it
+    visited last, unless that block has left the free queue (ref count above 0)."""
+
+    def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
+        super().__init__(config, gpu_pool)
+        self.lazy_cursor: int | None = None
+
+    def lazy_scan_queue(self) -> list[int]:
+        cursor = self.lazy_cursor
+        if cursor is not None and self.gpu_pool.blocks[cursor].ref_cnt > 0:
+            self.lazy_cursor = cursor = None  # stale: the block was taken
+        queue = self.gpu_pool.free_queue
+        return list(queue[0 if cursor is None else queue.index(cursor) + 1 :])
+
+    def after_lazy_scan(self, visited: list[int]) -> None:
+        if visited:
+            self.lazy_cursor = visited[-1]
+
+    def reset(self) -> bool:
+        self.lazy_cursor = None  # reset() starts the next scan from the head again
+        return super().reset()
+
+
+class LazyTailScheduler(OffloadScheduler):
+    """vLLM 0.30.0 to 0.33.0 (S26, #40332): a completed lazy store's GPU blocks are freed as
+    any others, the cached ones to the tail (most recently used)."""
+
+    def return_lazy_blocks(self, gpu_blocks: list[Block]) -> None:
+        self.gpu_pool.free_blocks(gpu_blocks)
+
+
 class AppendingPoolScheduler(OffloadScheduler):
     """vLLM before 0.24.0: both pools free every block to the tail of their queue
     (:class:`~kvoffload.model.block_pool.AppendingBlockPool`)."""
@@ -220,7 +265,7 @@ class InclusiveCpuScheduler(ResetReleasesHitsScheduler):
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int, bool]:
         self.pending_local_hits.pop(request.request_id, None)
-        if num_computed_tokens:
+        if num_computed_tokens and not self.config.lazy:  # lazy stores skip nothing on GPU
             # Recorded before any reason to return 0: a misaligned local hit is refreshed too.
             self.pending_local_hits[request.request_id] = num_computed_tokens
         return super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -269,6 +314,9 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
         {},
     ),
     "selection-0.29": SharedBudgetScheduler,
+    "lazy-cursor": LazyCursorScheduler,
+    "lazy-tail": LazyTailScheduler,
+    "lazy-0.33": type("Lazy033Scheduler", (LazyCursorScheduler, LazyTailScheduler), {}),
     "pool-0.23": AppendingPoolScheduler,
     "reset-releases-hits": ResetReleasesHitsScheduler,
     "inclusive-cpu": InclusiveCpuScheduler,

@@ -49,7 +49,16 @@ CALLS: dict[str, tuple[str, ...]] = {
     "fail_store": ("int", "int"),
     "corrupt": ("int", "int"),
 }
-CONFIG_FIELDS = ("gpu_blocks", "cpu_blocks", "group_block_sizes", "hash_block_size", "world_size")
+CONFIG_FIELDS = (
+    "gpu_blocks",
+    "cpu_blocks",
+    "group_block_sizes",
+    "hash_block_size",
+    "world_size",
+    "lazy",
+)
+# Fields a failure file may leave out (written before they existed), with their value then.
+CONFIG_DEFAULTS: dict[str, Any] = {"lazy": False}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")
@@ -261,14 +270,20 @@ def _check_fields(data: dict[str, Any], allowed: set[str], required: list[str], 
 def _check_config(config: object) -> OffloadConfig:
     _expect(isinstance(config, dict), f"config must be an object, got {config!r}")
     assert isinstance(config, dict)
-    _check_fields(config, {*CONFIG_FIELDS, "scheduler_block_size"}, list(CONFIG_FIELDS), "config: ")
+    required = [name for name in CONFIG_FIELDS if name not in CONFIG_DEFAULTS]
+    _check_fields(config, {*CONFIG_FIELDS, "scheduler_block_size"}, required, "config: ")
+    config = {**CONFIG_DEFAULTS, **config}
     sizes = config["group_block_sizes"]
     _expect(
         isinstance(sizes, list) and all(_is_int(s) for s in sizes),
         f"config group_block_sizes must be a list of ints, got {sizes!r}",
     )
     for name in CONFIG_FIELDS:
-        if name != "group_block_sizes":
+        if name == "lazy":
+            _expect(
+                isinstance(config[name], bool), f"config lazy must be a bool, got {config[name]!r}"
+            )
+        elif name != "group_block_sizes":
             _expect(_is_int(config[name]), f"config {name} must be an int, got {config[name]!r}")
     try:
         built = OffloadConfig(
@@ -277,6 +292,7 @@ def _check_config(config: object) -> OffloadConfig:
             tuple(sizes),
             config["hash_block_size"],
             config["world_size"],
+            config["lazy"],
         )
     except ConfigError as error:
         raise FailureFileError(f"config is not valid: {error}") from None

@@ -71,6 +71,8 @@ SETUP = initialize(
     cpu_blocks=st.one_of(st.integers(2, 4), st.integers(12, 32)),
     world_size=st.integers(1, 4),
     first=PROMPTS,
+    # lazy offloading one program in three (a configuration of the connector, as in vLLM)
+    lazy=st.integers(0, 2).map(lambda n: n == 2),
 )
 
 
@@ -114,9 +116,10 @@ class ConformanceMachine(RuleBasedStateMachine):
         cpu_blocks: int,
         world_size: int,
         first: list[int],
+        lazy: bool,
     ) -> None:
         groups, hbs = layout
-        self.config = OffloadConfig(gpu_blocks, cpu_blocks, groups, hbs, world_size)
+        self.config = OffloadConfig(gpu_blocks, cpu_blocks, groups, hbs, world_size, lazy)
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
         assume(unsupported(type(self).adapter_name, self.config) is None)
         # A variant with a bug breaks invariants by design: it is compared, not checked.

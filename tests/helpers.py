@@ -11,6 +11,7 @@ def config(
     group_block_sizes: tuple[int, ...] = (16,),
     hash_block_size: int | None = None,
     world_size: int = 1,
+    lazy: bool = False,
 ) -> OffloadConfig:
     """A configuration; the hash block size defaults to the smallest group block size."""
     return OffloadConfig(
@@ -19,6 +20,7 @@ def config(
         group_block_sizes,
         hash_block_size or min(group_block_sizes),
         world_size,
+        lazy,
     )
 
 

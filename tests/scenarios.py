@@ -187,6 +187,59 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         cfg(5),
         [*STORE_THEN_EVICT[:-2], ("add", "b", P40, 1, True), ("step", 64), ("step", 0)],
     ),
+    # Lazy mode: a prompt computed and finished, its blocks stored from the GPU queue's
+    # eviction end and returned there; a second prompt takes them; the first comes back
+    # from the CPU.
+    "lazy-store-return-and-load": (
+        cfg(6, 8, lazy=True),
+        [
+            ("add", "a", P40, 1),
+            ("step", 64),
+            ("step", 0),
+            ("drain",),
+            ("add", "b", prompt(64, 5), 1),
+            ("step", 64),
+            ("step", 0),
+            ("drain",),
+            ("add", "c", P40, 1),
+            ("step", 64),
+            ("drain",),
+            ("step", 64),
+        ],
+    ),
+    # Lazy mode: blocks stored and returned to the front of the GPU queue, then their CPU
+    # copies evicted by later stores into a small CPU pool: the next scan must store them
+    # again, though they lie before the block the previous scan visited last (found by the
+    # machine: S27's class).
+    "lazy-scan-after-cpu-eviction": (
+        cfg(8, 3, (4,), lazy=True),
+        [
+            ("add", "r0", [0, 1, 2, 3], 2),
+            ("add", "r1", [0, 1, 2, 3], 2),
+            ("add", "r3", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 1),
+            ("step", 9),
+            ("step", 9),
+            ("step", 9),
+            ("drain",),
+            ("step", 9),
+            ("drain",),
+            ("step", 9),
+        ],
+    ),
+    # Lazy mode: a block stored and returned to the front of the GPU queue, then the CPU
+    # cache cleared by a reset: the next scan stores it again.
+    "lazy-scan-after-reset": (
+        cfg(4, 2, (4,), lazy=True),
+        [
+            ("add", "r0", [0, 1, 2, 3], 2),
+            ("add", "r1", [0, 1, 2, 3], 1),
+            ("step", 8),
+            ("step", 8),
+            ("drain",),
+            ("reset",),
+            ("step", 0),
+        ],
+    ),
     "skip-reading-on-gpu-hit": (
         cfg(),
         [("add", "a", P40, 4), ("step", 64), ("add", "b", P40, 1, True), ("step", 64)],

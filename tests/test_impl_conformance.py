@@ -31,6 +31,8 @@ FAULT_SCENARIO = {
     "duplicate-report-counted": "report-delivered-twice",
     "fit-counts-cpu-pool": "request-longer-than-gpu-pool",
     "serves-skip-reading": "skip-reading-after-eviction",
+    "lazy-returns-to-tail": "lazy-store-return-and-load",
+    "lazy-stale-cursor": "lazy-scan-after-cpu-eviction",
 }
 
 

@@ -13,7 +13,14 @@ from kvoffload.model import CHECKS, InvariantViolation, OffloadModel, check, vio
 from kvoffload.model.block_pool import FreshRecord
 from kvoffload.model.engine import FinishRecord
 from kvoffload.model.keys import BlockKey
-from kvoffload.model.offload import CompletionRecord, PickRecord, ResetRecord, SelectionRecord
+from kvoffload.model.offload import (
+    CompletionRecord,
+    LazyReturnRecord,
+    LazyScanRecord,
+    PickRecord,
+    ResetRecord,
+    SelectionRecord,
+)
 
 from helpers import drain, make, prompt
 
@@ -129,6 +136,14 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     ),
     # b loads from the CPU: as if it had asked to skip reading the prefix cache
     "NO-READ": lambda m: setattr(m.engine.requests["b"], "skip_reading_prefix_cache", True),
+    # a scan that passed over the cached block at the head of the queue
+    "LAZY-SCAN": lambda m: m.engine.connector.lazy_scan_log.append(
+        LazyScanRecord(((3, ALIEN, False), (4, None, False)), 100, 5, ())
+    ),
+    # a lazily stored block freed behind another one
+    "LAZY-EVICT-FIRST": lambda m: m.engine.connector.lazy_return_log.append(
+        LazyReturnRecord((5,), (5,), (1, 5))
+    ),
 }
 
 

@@ -30,8 +30,9 @@ def test_every_release_names_known_variants_and_conforms_to_exactly_one() -> Non
             is_variant(c.variant) and c.expect in ("conform", "disagree") for c in row.checks
         )
         assert [c.expect for c in row.checks].count("conform") == 1
-        # releases before PR #53532 conform to variants that model their bugs
-        before_fix = tuple(map(int, row.version.split("."))) < (0, 30, 0)
+        # releases before 0.34.0 conform to variants that model their bugs: those of
+        # #53498 up to 0.29.0, those of lazy mode (S26, S27) up to 0.33.0
+        before_fix = tuple(map(int, row.version.split("."))) < (0, 34, 0)
         assert keeps_invariants(row.model_variant) != before_fix
     assert release("0.29.0").checks[0] == Check(
         "fixed", "disagree", "a bug of #53498 against the fixed model"
@@ -149,7 +150,24 @@ SKIP_READING = [
     ("step", 16),
     ("drain",),
 ]
+# Lazy mode: blocks stored from the GPU queue's front and returned there (0.34.0) or to its
+# tail (0.30.0 to 0.33.0), then a reset and a scan that must start from the front again.
+LAZY = [
+    ("add", "r0", [0, 1, 2, 3], 2),
+    ("add", "r1", [0, 1, 2, 3], 1),
+    ("step", 8),
+    ("step", 8),
+    ("drain",),
+    ("reset",),
+    ("step", 0),
+    ("drain",),
+    ("add", "r2", [0, 1, 2, 3, 0], 1),
+    ("step", 8),
+    ("drain",),
+    ("step", 8),
+]
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
+SMALL_LAZY = "OffloadConfig(4, 2, (4,), 4, 1, lazy=True)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
 Case = tuple[str, list[tuple[Any, ...]], str, str | None]
 CASES: dict[str, list[Case]] = {
@@ -171,7 +189,9 @@ CASES: dict[str, list[Case]] = {
     "0.30.0": [
         (SMALL, STAMP, "fixed", None),
         (SMALL, FLUSH, "fixed", None),
-        (LARGE, SKIP_READING, "fixed", None),
+        (LARGE, SKIP_READING, "lazy-0.33", None),
+        (SMALL_LAZY, LAZY, "lazy-0.33", None),
+        (SMALL_LAZY, LAZY, "fixed", "call 4 ('drain',): snapshots differ in ['gpu']"),
     ],
     "0.34.0": [
         (SMALL, FLUSH, "inclusive-cpu", None),
@@ -180,6 +200,7 @@ CASES: dict[str, list[Case]] = {
         (LARGE, LOADS_TOGETHER, "inclusive-cpu", None),
         (SMALL, BAD_INPUT, "inclusive-cpu", None),
         (LARGE, SKIP_READING, "inclusive-cpu", None),
+        (SMALL_LAZY, LAZY, "inclusive-cpu", None),
     ],
 }
 

@@ -59,7 +59,7 @@ def test_each_release_runs_once_with_each_check_once_in_release_order() -> None:
     plan = history.checks_by_release(select("S25,S9,S10,S3"))
     assert list(plan) == ["0.29.0", "0.30.0", "0.33.0", "0.34.0"]
     assert len(plan["0.29.0"]) == 2  # S9 and S10, one process
-    assert plan["0.30.0"] == [Check("fixed", "conform", "0.30.0 conforms")]  # once for both
+    assert plan["0.30.0"] == [Check("lazy-0.33", "conform", "0.30.0 conforms")]  # once for both
     every = history.checks_by_release(select("S9"), releases=True)
     assert list(every) == sorted(RELEASES, key=_version)
     assert all(c in every[v] for v, row in RELEASES.items() for c in row.checks)
@@ -161,7 +161,22 @@ HELD_HIT = [
     ("add", "r2", [0, 1, 2, 3, 4, 5, 6, 0], 1),
     ("step", 8),
 ]
-COUNTEREXAMPLES: dict[str, tuple[tuple[int, int, tuple[int, ...], int, int], list[Any]]] = {
+# Lazy mode: a prompt stored from the GPU queue's eviction end, returned to it (S26); blocks
+# behind the scan cursor that need storing again once their CPU copies are evicted (S27).
+LAZY_RETURN = [("add", "a", list(range(40)), 1), ("step", 64), ("step", 0), ("drain",)]
+LAZY_CURSOR = [
+    ("add", "r0", [0, 1, 2, 3], 2),
+    ("add", "r1", [0, 1, 2, 3], 2),
+    ("add", "r3", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 1),
+    ("step", 9),
+    ("step", 9),
+    ("step", 9),
+    ("drain",),
+    ("step", 9),
+    ("drain",),
+    ("step", 9),
+]
+COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
     "S1": (LARGE, HELD_HIT),
     # the block in flight is selected again by the next step's scan
     "S2": (SMALL, [("add", "r0", [0, 1, 2, 3], 2), ("step", 8), ("step", 8)]),
@@ -202,6 +217,8 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[int, int, tuple[int, ...], int, int], lis
             ("reset",),
         ],
     ),
+    "S26": ((6, 8, (16,), 16, 1, True), LAZY_RETURN),
+    "S27": ((8, 3, (4,), 4, 1, True), LAZY_CURSOR),
     # a GPU prefix hit refreshes its CPU copy in 0.34.0
     "S25": (
         LARGE,

@@ -54,6 +54,8 @@ class HistoricalBug:
 _S10 = "bug-53498-primary-only"
 _S9 = "bug-53498-no-final-flush"
 _S12 = "serves-skip-reading"
+# vLLM 0.30.0 to 0.33.0's lazy mode (S26 and S27), which every fixed model of them includes.
+_LAZY = "lazy-0.33"
 BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S1",
@@ -134,7 +136,7 @@ BUGS: list[HistoricalBug] = [
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S12}+selection-0.29",
-        "fixed",
+        _LAZY,
         "pending_flushes",
         "0.29.0's registration (S10), CPU hits for requests that skip reading (S12) and "
         "selection loop modelled",
@@ -146,7 +148,7 @@ BUGS: list[HistoricalBug] = [
         "0.29.0",
         "0.30.0",
         f"{_S9}+{_S12}+selection-0.29",
-        "fixed",
+        _LAZY,
         "snapshots differ in ['cpu']",
         "0.29.0's missing final flush (S9), CPU hits for requests that skip reading (S12) "
         "and selection loop modelled",
@@ -166,7 +168,7 @@ BUGS: list[HistoricalBug] = [
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S9}+selection-0.29",
-        "fixed",
+        _LAZY,
         "'loads'",
         "0.29.0's registration (S10), missing final flush (S9) and selection loop modelled",
     ),
@@ -240,10 +242,10 @@ BUGS: list[HistoricalBug] = [
         "reset() keeps the pins of CPU hits not yet allocated",
         "0.31.0",
         "0.32.0",
-        "reset-releases-hits",
-        "reset-releases-hits",
+        f"reset-releases-hits+{_LAZY}",
+        f"reset-releases-hits+{_LAZY}",
         "pending_hits",
-        "no other bug of 0.31.0 in reach",
+        "0.31.0's lazy mode (S26, S27) modelled",
     ),
     HistoricalBug(
         "S22",
@@ -275,10 +277,10 @@ BUGS: list[HistoricalBug] = [
         "CPU copy of a GPU-hot prefix never refreshed in the CPU LRU",
         "0.33.0",
         "0.34.0",
-        "inclusive-cpu",
+        f"inclusive-cpu+{_LAZY}",
         "inclusive-cpu",
         "cpu: free queue",
-        "no other bug of 0.33.0 in reach",
+        "0.33.0's lazy mode (S26, S27) modelled",
     ),
     HistoricalBug(
         "S26",
@@ -286,15 +288,22 @@ BUGS: list[HistoricalBug] = [
         "lazy mode returns offloaded blocks to the MRU end",
         "0.33.0",
         "0.34.0",
-        out_of_reach="lazy mode",
+        "reset-releases-hits+lazy-cursor",
+        "inclusive-cpu",
+        "gpu: free queue",
+        "0.33.0's scan cursor (S27) modelled, and its eager mode (without S25's refresh)",
     ),
     HistoricalBug(
         "S27",
         "PR ?",
-        "lazy mode's stale scan cursor",
+        "lazy mode's stale scan cursor: blocks behind it never stored",
         "0.33.0",
         "0.34.0",
-        out_of_reach="lazy mode",
+        "reset-releases-hits+lazy-tail",
+        "inclusive-cpu",
+        "model returned StepResult",
+        "0.33.0's return of lazy stores to the tail (S26) modelled, and its eager mode "
+        "(without S25's refresh)",
     ),
     HistoricalBug(
         "S28",

@@ -80,13 +80,16 @@ RELEASES = {
             ),
         ),
         *_conforming(
-            ["0.30.0", "0.31.0"], "fixed", "PR #53532 (0.30.0 is the first)", "the fixed model"
+            ["0.30.0", "0.31.0"],
+            "lazy-0.33",
+            "PR #53532 (0.30.0 is the first); lazy mode's scan cursor and return to the tail",
+            "the fixed model, with the lazy mode of 0.30.0 to 0.33.0 (S26, S27)",
         ),
         *_conforming(
             ["0.32.0", "0.33.0"],
-            "reset-releases-hits",
+            "reset-releases-hits+lazy-0.33",
             "reset() releases the pins of CPU hits not yet allocated (S21)",
-            "the fixed model with 0.32's reset of lookup pins",
+            "the fixed model with 0.32's reset of lookup pins and 0.33's lazy mode",
         ),
         Release(
             "0.34.0",
