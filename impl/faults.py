@@ -200,8 +200,8 @@ class LazyReturnsToTail(Connector):
 
 class LazyStaleCursor(Connector):
     """vLLM 0.30.0 to 0.33.0 (S27): the lazy scan resumes after the block it visited last,
-    kept across steps and dropped only when that block is taken; once that block has moved
-    in the queue, the blocks before it are never scanned."""
+    kept across steps and dropped only when that block is taken or at ``reset()``; blocks
+    before it that need storing again (their CPU copies evicted) are never scanned."""
 
     cursor: int | None = None
 
