@@ -114,14 +114,15 @@ class CopyPlan:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destinations")
         self.crossing = src_device != dst_device
+        self.host_to_host = not self.crossing and src_device.type == "cpu"
         self._pairs = (src_ids, dst_ids, src_device, dst_device)
-        # Host to host: the pairs as (source start, destination start, blocks) runs,
-        # consecutive on both sides, for memmove.
-        self.moves: list[tuple[int, int, int]] | None = None
-        if not self.crossing and src_device.type == "cpu":
-            self.moves = _moves(src_ids, dst_ids)
-            self._src_bounds = (min(src_ids, default=0), max(src_ids, default=-1))
-            self._dst_bounds = (min(dst_ids, default=0), max(dst_ids, default=-1))
+
+    @functools.cached_property
+    def moves(self) -> list[tuple[int, int, int]]:
+        """Host to host: the pairs as ``(source start, destination start, blocks)`` runs
+        consecutive on both sides, one memmove each (built when first needed)."""
+        src_ids, dst_ids, _, _ = self._pairs
+        return _moves(src_ids, dst_ids)
 
     gather: bool  # whether the steps gather (index on the source side); set with them
 
@@ -158,7 +159,7 @@ class CopyPlan:
 
     def run_rows(self, s: torch.Tensor, d: torch.Tensor) -> None:
         """:meth:`run` on tensors already viewed by :func:`rows`."""
-        if self.moves is not None and self._memmove(s, d):
+        if self.host_to_host and self._memmove(s, d):
             return
         steps = self.steps
         for step in steps:
@@ -183,16 +184,14 @@ class CopyPlan:
         """Run the plan as memmoves where that is the faster way and the memory allows it
         (host tensors of the same row width, rows packed one after the other); False, having
         copied nothing, where it is not."""
-        assert self.moves is not None
         row = s.shape[1] * s.element_size()
         if row < MEMMOVE_MIN_ROW:
             return False
         if not (_packed(s, row) and _packed(d, row)):
             return False
-        for side, tensor, (low, high) in (
-            ("source", s, self._src_bounds),
-            ("destination", d, self._dst_bounds),
-        ):
+        src_ids, dst_ids, _, _ = self._pairs
+        for side, tensor, ids in (("source", s, src_ids), ("destination", d, dst_ids)):
+            low, high = min(ids, default=0), max(ids, default=-1)
             if low < 0 or high >= tensor.shape[0]:
                 bad = low if low < 0 else high
                 raise IndexError(f"{side} block {bad} out of range of {tensor.shape[0]} blocks")

@@ -139,7 +139,7 @@ def test_host_copies_take_memmove_for_wide_packed_rows_only() -> None:
     assert not plan._memmove(torch.ones(6, 4), torch.zeros(6, 4))
     # Across devices there is nothing to memmove.
     if torch.cuda.is_available():
-        assert CopyPlan([1], [2], CPU, torch.device("cuda")).moves is None
+        assert not CopyPlan([1], [2], CPU, torch.device("cuda")).host_to_host
 
 
 @pytest.mark.parametrize(("src_ids", "dst_ids"), [([0, 6], [0, 1]), ([0, 1], [1, 9]), ([-1], [0])])
