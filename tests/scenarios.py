@@ -227,7 +227,7 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         ],
     ),
     # Lazy mode: a block stored and returned to the front of the GPU queue, then the CPU
-    # cache cleared by a reset: the next scan stores it again.
+    # cache cleared by a reset: the next scan stores it again, and a repeat loads it.
     "lazy-scan-after-reset": (
         cfg(4, 2, (4,), lazy=True),
         [
@@ -238,6 +238,29 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("drain",),
             ("reset",),
             ("step", 0),
+            ("drain",),
+            ("add", "r2", [0, 1, 2, 3, 0], 1),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+        ],
+    ),
+    # A prompt stored by the eager scan while its request decodes, then asked for again by a
+    # request that skips reading the prefix cache (S12): neither tier may serve it.
+    "skip-reading-stored-prompt": (
+        cfg(4, 12, (4,), 4),
+        [
+            ("add", "r0", list(range(9)), 3),
+            ("step", 16),
+            ("step", 16),
+            ("drain",),
+            ("step", 16),
+            ("step", 16),
+            ("drain",),
+            ("add", "r1", list(range(9)), 1, True),
+            ("step", 16),
+            ("step", 16),
+            ("drain",),
         ],
     ),
     "skip-reading-on-gpu-hit": (

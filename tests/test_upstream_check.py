@@ -23,6 +23,8 @@ from kvoffload.upstream.install import Cache, default_cache
 from kvoffload.upstream.keymap import KeyMap
 from kvoffload.upstream.releases import RELEASES, Check, release
 
+from scenarios import SCENARIOS
+
 
 def test_every_release_names_known_variants_and_conforms_to_exactly_one() -> None:
     for row in RELEASES.values():
@@ -135,37 +137,9 @@ BAD_INPUT = [
     ("store", 0, 0),
     ("finish", "r0"),
 ]
-# A prompt stored by the eager scan while its request decodes, then asked for again by a
-# request that skips reading the prefix cache (S12): neither tier may serve it.
-SKIP_READING = [
-    ("add", "r0", list(range(9)), 3),
-    ("step", 16),
-    ("step", 16),
-    ("drain",),
-    ("step", 16),
-    ("step", 16),
-    ("drain",),
-    ("add", "r1", list(range(9)), 1, True),
-    ("step", 16),
-    ("step", 16),
-    ("drain",),
-]
-# Lazy mode: blocks stored from the GPU queue's front and returned there (0.34.0) or to its
-# tail (0.30.0 to 0.33.0), then a reset and a scan that must start from the front again.
-LAZY = [
-    ("add", "r0", [0, 1, 2, 3], 2),
-    ("add", "r1", [0, 1, 2, 3], 1),
-    ("step", 8),
-    ("step", 8),
-    ("drain",),
-    ("reset",),
-    ("step", 0),
-    ("drain",),
-    ("add", "r2", [0, 1, 2, 3, 0], 1),
-    ("step", 8),
-    ("drain",),
-    ("step", 8),
-]
+# Requests that skip reading the prefix cache (S12), and lazy mode (S26, S27).
+SKIP_READING = SCENARIOS["skip-reading-stored-prompt"][1]
+LAZY = SCENARIOS["lazy-scan-after-reset"][1]
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
 SMALL_LAZY = "OffloadConfig(4, 2, (4,), 4, 1, lazy=True)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"

@@ -21,6 +21,8 @@ from kvoffload.upstream.bugs import BUGS, HistoricalBug, select
 from kvoffload.upstream.install import Cache, default_cache
 from kvoffload.upstream.releases import RELEASES, Check, release_numbers
 
+from scenarios import SCENARIOS
+
 
 def _version(version: str) -> tuple[int, ...]:
     numbers = release_numbers(version)
@@ -161,21 +163,15 @@ HELD_HIT = [
     ("add", "r2", [0, 1, 2, 3, 4, 5, 6, 0], 1),
     ("step", 8),
 ]
-# Lazy mode: a prompt stored from the GPU queue's eviction end, returned to it (S26); blocks
-# behind the scan cursor that need storing again once their CPU copies are evicted (S27).
-LAZY_RETURN = [("add", "a", list(range(40)), 1), ("step", 64), ("step", 0), ("drain",)]
-LAZY_CURSOR = [
-    ("add", "r0", [0, 1, 2, 3], 2),
-    ("add", "r1", [0, 1, 2, 3], 2),
-    ("add", "r3", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 1),
-    ("step", 9),
-    ("step", 9),
-    ("step", 9),
-    ("drain",),
-    ("step", 9),
-    ("drain",),
-    ("step", 9),
-]
+
+
+def _scenario(name: str) -> tuple[tuple[Any, ...], list[Any]]:
+    """A scenario of ``tests/scenarios.py`` as (the configuration's fields, the program)."""
+    config, program = SCENARIOS[name]
+    fields = (config.gpu_blocks, config.cpu_blocks, config.group_block_sizes)
+    return (*fields, config.hash_block_size, config.world_size, config.lazy), program
+
+
 COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
     "S1": (LARGE, HELD_HIT),
     # the block in flight is selected again by the next step's scan
@@ -188,20 +184,7 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
     # the CPU block stamped with the GPU block's key at allocation
     "S10": (SMALL, [("add", "r0", [0, 1, 2, 3], 2), ("step", 8), ("step", 8)]),
     # r0 stored while it decodes, then asked for by a request that skips reading the cache
-    "S12": (
-        LARGE,
-        [
-            ("add", "r0", list(range(9)), 3),
-            ("step", 16),
-            ("step", 16),
-            ("drain",),
-            ("step", 16),
-            ("step", 16),
-            ("drain",),
-            ("add", "r1", list(range(9)), 1, True),
-            ("step", 16),
-        ],
-    ),
+    "S12": _scenario("skip-reading-stored-prompt"),
     # a reset while a hit waits pinned
     "S21": (
         LARGE,
@@ -217,8 +200,10 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
             ("reset",),
         ],
     ),
-    "S26": ((6, 8, (16,), 16, 1, True), LAZY_RETURN),
-    "S27": ((8, 3, (4,), 4, 1, True), LAZY_CURSOR),
+    # a lazily stored prompt's GPU blocks freed back to the tail
+    "S26": _scenario("lazy-store-return-and-load"),
+    # blocks behind the lazy scan's cursor, their CPU copies evicted, never stored again
+    "S27": _scenario("lazy-scan-after-cpu-eviction"),
     # a GPU prefix hit refreshes its CPU copy in 0.34.0
     "S25": (
         LARGE,
