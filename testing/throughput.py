@@ -24,6 +24,7 @@ from kvoffload.testing.stateful import (
     PROMPTS,
     SETTLE_BUDGETS,
     SETUP,
+    SKIP_READING,
     TAILS,
     Recorder,
     machine_for,
@@ -48,15 +49,17 @@ class TrivialMachine(RuleBasedStateMachine):
     def count(self) -> None:
         type(self).steps += 1
 
-    @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS)
-    def add_request(self, tokens: list[int], max_tokens: int) -> None:
+    @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS, skip=SKIP_READING)
+    def add_request(self, tokens: list[int], max_tokens: int, skip: bool) -> None:
         self.prompts.append(tokens)
         self.live.append(max_tokens)
         self.count()
 
-    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS)
-    def repeat_request(self, data: st.DataObject, tail: list[int], max_tokens: int) -> None:
-        self.add_request(data.draw(st.sampled_from(self.prompts)) + tail, max_tokens)
+    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS, skip=SKIP_READING)
+    def repeat_request(
+        self, data: st.DataObject, tail: list[int], max_tokens: int, skip: bool
+    ) -> None:
+        self.add_request(data.draw(st.sampled_from(self.prompts)) + tail, max_tokens, skip)
 
     @rule(budget=BUDGETS, steps=st.integers(1, 3))
     def step(self, budget: int, steps: int) -> None:
