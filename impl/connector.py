@@ -1,5 +1,6 @@
-"""The implementation's offload scheduler: eager CPU offloading as vLLM 0.30.0's
-``SimpleCPUOffloadScheduler`` for full-attention groups, written for speed.
+"""The implementation's offload scheduler: CPU offloading as vLLM 0.30.0's
+``SimpleCPUOffloadScheduler`` for full-attention groups, eager or lazy as 0.34.0 has it,
+written for speed.
 
 State is in arrays (:mod:`kvoffload.impl.pool`): transfers, hits and loads hold block ids,
 and every pool operation takes a whole batch. Selection walks each group's block table from
@@ -8,7 +9,7 @@ index are hash lookups on key strings. Fault variants override single methods
 (``kvoffload.impl.faults``).
 
 Invariants kept (``docs/spec.md``): SKIP, CAPACITY, UNREACHABLE, REGISTERED, PENDING,
-IN-FLIGHT, RESET, EVENTS, LOAD-PINNED.
+IN-FLIGHT, RESET, EVENTS, LOAD-PINNED, NO-READ, LAZY-SCAN, LAZY-EVICT-FIRST.
 """
 
 from __future__ import annotations

@@ -30,6 +30,7 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - FLUSH-COMPLETE: when a tracked request finishes, every block confirmed by then has a
   disposition: stored, already present, in flight, null, unhashed, or dropped for capacity.
 - LOAD-PINNED: CPU blocks pinned by a lookup or a load are in use and registered.
+- NO-READ: a request that skips reading the prefix cache gets no CPU hit and no load.
 - LAZY-SCAN: a lazy selection takes, in queue order, every cached GPU block of the first
   ``lazy_target_free`` of the free queue whose key the CPU pool does not hold, until the CPU
   pool's free blocks are all taken.
