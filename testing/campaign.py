@@ -10,7 +10,7 @@ import random
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -22,13 +22,14 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import FAULTS
-from kvoffload.model.errors import ConfigError, SetupError
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.errors import ConfigError, InvariantViolation, SetupError
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
 from kvoffload.testing.adapters import adapters, default_adapter
 from kvoffload.testing.failure import Failure, load, save, validate
-from kvoffload.testing.lockstep import disagreement, first_disagreement
-from kvoffload.testing.reduce import reduce_program
+from kvoffload.testing.lockstep import Call, disagreement, first_disagreement
+from kvoffload.testing.reduce import kind, reduce_program
 from kvoffload.testing.stateful import ConformanceMachine, Recorder, machine_for
 
 # Targets of the mutation matrix under the ``ci`` profile.
@@ -135,20 +136,55 @@ def run_campaign(
 
 def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
     """``failure`` after the call-level pass (:mod:`kvoffload.testing.reduce`), replayed on
-    the machine's own target and model variant; as it was if it does not replay (a flaky
-    failure is reported as Hypothesis found it)."""
-    program, found = reduce_program(
-        failure.program,
-        lambda calls: disagreement(machine.adapter, machine.variant, failure.config, calls),
-    )
+    the machine's own target and model variant, in the simplest configuration in which the
+    program still disagrees the same way (:func:`simpler_config`); as it was if it does not
+    replay (a flaky failure is reported as Hypothesis found it)."""
+
+    def disagrees(config: OffloadConfig) -> Callable[[list[Call]], str | None]:
+        return lambda calls: disagreement(machine.adapter, machine.variant, config, calls)
+
+    config = simpler_config(failure.config, failure.program, disagrees)
+    program, found = reduce_program(failure.program, disagrees(config))
     if found is None:
         return failure
     return replace(
         failure,
+        config=config,
         program=tuple(program),
         disagreement=found,
         rule_steps=min(failure.rule_steps, len(program)),
     )
+
+
+def simpler_config(
+    config: OffloadConfig,
+    program: Sequence[Call],
+    disagrees: Callable[[OffloadConfig], Callable[[list[Call]], str | None]],
+) -> OffloadConfig:
+    """``config`` made simpler where the program still disagrees in the same way: eager
+    instead of lazy, one worker instead of several. Hypothesis shrinks the choices that
+    drew a program; a choice drawn first (the configuration) can rarely change without
+    changing what every later choice means, so a lazy counterexample of an eager bug stays
+    lazy, and longer, unless the configuration is tried on its own."""
+    try:
+        found = disagrees(config)(list(program))
+    except InvariantViolation:
+        return config
+    if found is None:
+        return config
+    wanted = kind(found)
+    for change in ({"lazy": False}, {"world_size": 1}):
+        # Both only lift restrictions: a target that takes the configuration takes these.
+        candidate = replace(config, **change)
+        if candidate == config:
+            continue
+        try:
+            result = disagrees(candidate)(list(program))
+        except InvariantViolation:
+            continue
+        if result is not None and kind(result) == wanted:
+            config = candidate
+    return config
 
 
 def mutation_matrix(profile: settings, progress: bool = False) -> list[CampaignResult]:

@@ -1,11 +1,16 @@
 """The call-level reduction after Hypothesis's shrinker: 1-minimal, a subsequence, and the
-same kind of difference."""
+same kind of difference; and the simplest configuration that still shows it."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvoffload.model import OffloadConfig
+from kvoffload.testing.campaign import reduced, simpler_config
+from kvoffload.testing.failure import Failure
 from kvoffload.testing.lockstep import Call, first_disagreement
 from kvoffload.testing.reduce import kind, reduce_program
+from kvoffload.testing.stateful import machine_for
 
 
 def test_it_keeps_exactly_the_calls_the_difference_needs() -> None:
@@ -68,3 +73,23 @@ def test_a_real_failure_reduces_to_a_program_that_still_fails() -> None:
     reduced, found = reduce_program(program, disagrees)
     assert [c[0] for c in reduced] == ["add", "step", "step", "drain"]
     assert found is not None and "does not hold the KV" in found
+
+
+def test_a_failure_is_reported_in_the_simplest_configuration_that_shows_it() -> None:
+    # An input-contract fault: the request longer than the GPU pool is accepted, whatever the
+    # mode or the number of workers; the campaign happened to draw lazy mode and 3 workers.
+    machine = machine_for("fault:fit-counts-cpu-pool")
+    config = OffloadConfig(4, 16, (16,), 16, 3, lazy=True)
+    program: tuple[Call, ...] = (("add", "a", list(range(64)), 1), ("step", 64))
+    failure = Failure(machine.adapter_name, "fixed", config, program, 2, "found")
+    simple = reduced(machine, failure)
+    assert simple.config == OffloadConfig(4, 16, (16,), 16, 1, lazy=False)
+    assert simple.program == program[:1] and simple.disagreement.startswith("call 0 ('add'")
+
+    # A difference that needs lazy mode keeps it (and one that needs nothing changes nothing).
+    def only_lazy(c: OffloadConfig) -> Callable[[list[Call]], str | None]:
+        found = "call 0 ('step', 8): model returned 1, implementation 2" if c.lazy else None
+        return lambda calls: found
+
+    assert simpler_config(config, program, only_lazy).lazy
+    assert simpler_config(config, program, lambda c: lambda calls: None) == config
