@@ -134,17 +134,19 @@ def run_campaign(
     )
 
 
+Checker = Callable[[OffloadConfig], Callable[[list[Call]], str | None]]
+
+
 def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
     """``failure`` after the call-level pass (:mod:`kvoffload.testing.reduce`), replayed on
-    the machine's own target and model variant, in the simplest configuration in which the
-    program still disagrees the same way (:func:`simpler_config`); as it was if it does not
-    replay (a flaky failure is reported as Hypothesis found it)."""
+    the machine's own target and model variant, in the simplest configuration in which a
+    program still disagrees the same way (:func:`simplest`); as it was if it does not replay
+    (a flaky failure is reported as Hypothesis found it)."""
 
     def disagrees(config: OffloadConfig) -> Callable[[list[Call]], str | None]:
         return lambda calls: disagreement(machine.adapter, machine.variant, config, calls)
 
-    config = simpler_config(failure.config, failure.program, disagrees)
-    program, found = reduce_program(failure.program, disagrees(config))
+    config, program, found = simplest(failure.config, list(failure.program), disagrees)
     if found is None:
         return failure
     return replace(
@@ -156,35 +158,63 @@ def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
     )
 
 
+def simplest(
+    config: OffloadConfig, program: list[Call], disagrees: Checker
+) -> tuple[OffloadConfig, list[Call], str | None]:
+    """The configuration made as simple as :func:`simpler_config` can, the program reduced
+    in it; then, since a program may need a call in its configuration that the simpler one
+    must not have (a lazy program's extra step that stores a block, say), each call left
+    out once more with the simpler configuration tried on what remains."""
+    found = _replay(disagrees(config), program)
+    if found is None:
+        return config, program, None
+    wanted = kind(found)
+    config = simpler_config(config, program, disagrees, wanted)
+    program, found = reduce_program(program, disagrees(config))
+    for i in range(len(program)):
+        without = program[:i] + program[i + 1 :]
+        simpler = simpler_config(config, without, disagrees, wanted)
+        if simpler != config:
+            # The configuration lattice is finite: each recursion lifts one more setting.
+            return simplest(simpler, without, disagrees)
+    return config, program, found
+
+
 def simpler_config(
     config: OffloadConfig,
     program: Sequence[Call],
-    disagrees: Callable[[OffloadConfig], Callable[[list[Call]], str | None]],
+    disagrees: Checker,
+    wanted: str | None = None,
 ) -> OffloadConfig:
-    """``config`` made simpler where the program still disagrees in the same way: eager
-    instead of lazy, one worker instead of several. Hypothesis shrinks the choices that
-    drew a program; a choice drawn first (the configuration) can rarely change without
+    """``config`` made simpler where ``program`` still disagrees in the same way (``wanted``,
+    a :func:`~kvoffload.testing.reduce.kind`; by default the kind it shows in ``config``):
+    eager instead of lazy, one worker instead of several. Hypothesis shrinks the choices
+    that drew a program; a choice drawn first (the configuration) can rarely change without
     changing what every later choice means, so a lazy counterexample of an eager bug stays
     lazy, and longer, unless the configuration is tried on its own."""
-    try:
-        found = disagrees(config)(list(program))
-    except InvariantViolation:
-        return config
-    if found is None:
-        return config
-    wanted = kind(found)
+    if wanted is None:
+        found = _replay(disagrees(config), list(program))
+        if found is None:
+            return config
+        wanted = kind(found)
     for change in ({"lazy": False}, {"world_size": 1}):
         # Both only lift restrictions: a target that takes the configuration takes these.
         candidate = replace(config, **change)
         if candidate == config:
             continue
-        try:
-            result = disagrees(candidate)(list(program))
-        except InvariantViolation:
-            continue
+        result = _replay(disagrees(candidate), list(program))
         if result is not None and kind(result) == wanted:
             config = candidate
     return config
+
+
+def _replay(check: Callable[[list[Call]], str | None], program: list[Call]) -> str | None:
+    """The difference ``program`` shows, or None (also when its own model breaks an
+    invariant: then it is not this failure)."""
+    try:
+        return check(program) if program else None
+    except InvariantViolation:
+        return None
 
 
 def mutation_matrix(profile: settings, progress: bool = False) -> list[CampaignResult]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvoffload.model import OffloadConfig
-from kvoffload.testing.campaign import reduced, simpler_config
+from kvoffload.testing.campaign import reduced, simpler_config, simplest
 from kvoffload.testing.failure import Failure
 from kvoffload.testing.lockstep import Call, first_disagreement
 from kvoffload.testing.reduce import kind, reduce_program
@@ -93,3 +93,23 @@ def test_a_failure_is_reported_in_the_simplest_configuration_that_shows_it() -> 
 
     assert simpler_config(config, program, only_lazy).lazy
     assert simpler_config(config, program, lambda c: lambda calls: None) == config
+
+
+def test_a_call_only_the_lazy_program_needs_goes_with_lazy_mode() -> None:
+    # As S21's counterexample found in lazy mode: there a step must store the block again
+    # after a reset; in eager mode the reset must not be there at all.
+    program: list[Call] = [("add", "a", [1], 1), ("reset",), ("step", 8), ("finish", "a")]
+    lazy = OffloadConfig(4, 2, (4,), 4, 1, lazy=True)
+
+    def checker(c: OffloadConfig) -> Callable[[list[Call]], str | None]:
+        def disagrees(calls: list[Call]) -> str | None:
+            needs = [("add", "a", [1], 1), ("finish", "a")]
+            if not all(call in calls for call in needs) or (("reset",) in calls) != c.lazy:
+                return None
+            return f"call {len(calls) - 1} ('finish', 'a'): snapshots differ in ['cpu']: ..."
+
+        return disagrees
+
+    config, reduced_program, found = simplest(lazy, program, checker)
+    assert not config.lazy and reduced_program == [("add", "a", [1], 1), ("finish", "a")]
+    assert found is not None and "snapshots differ in ['cpu']" in found
