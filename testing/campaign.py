@@ -23,13 +23,13 @@ from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import FAULTS
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.errors import ConfigError, InvariantViolation, SetupError
+from kvoffload.model.errors import ConfigError, SetupError
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
 from kvoffload.testing.adapters import adapters, default_adapter
 from kvoffload.testing.failure import Failure, load, save, validate
 from kvoffload.testing.lockstep import Call, disagreement, first_disagreement
-from kvoffload.testing.reduce import kind, reduce_program
+from kvoffload.testing.reduce import kind, reduce_program, replay
 from kvoffload.testing.stateful import ConformanceMachine, Recorder, machine_for
 
 # Targets of the mutation matrix under the ``ci`` profile.
@@ -165,7 +165,7 @@ def simplest(
     in it; then, since a program may need a call in its configuration that the simpler one
     must not have (a lazy program's extra step that stores a block, say), each call left
     out once more with the simpler configuration tried on what remains."""
-    found = _replay(disagrees(config), program)
+    found = replay(disagrees(config), program)
     if found is None:
         return config, program, None
     wanted = kind(found)
@@ -181,40 +181,23 @@ def simplest(
 
 
 def simpler_config(
-    config: OffloadConfig,
-    program: Sequence[Call],
-    disagrees: Checker,
-    wanted: str | None = None,
+    config: OffloadConfig, program: Sequence[Call], disagrees: Checker, wanted: str
 ) -> OffloadConfig:
     """``config`` made simpler where ``program`` still disagrees in the same way (``wanted``,
-    a :func:`~kvoffload.testing.reduce.kind`; by default the kind it shows in ``config``):
-    eager instead of lazy, one worker instead of several. Hypothesis shrinks the choices
-    that drew a program; a choice drawn first (the configuration) can rarely change without
-    changing what every later choice means, so a lazy counterexample of an eager bug stays
-    lazy, and longer, unless the configuration is tried on its own."""
-    if wanted is None:
-        found = _replay(disagrees(config), list(program))
-        if found is None:
-            return config
-        wanted = kind(found)
+    a :func:`~kvoffload.testing.reduce.kind`): eager instead of lazy, one worker instead of
+    several. Hypothesis shrinks the choices that drew a program; a choice drawn first (the
+    configuration) can rarely change without changing what every later choice means, so a
+    lazy counterexample of an eager bug stays lazy, and longer, unless the configuration is
+    tried on its own."""
     for change in ({"lazy": False}, {"world_size": 1}):
         # Both only lift restrictions: a target that takes the configuration takes these.
         candidate = replace(config, **change)
         if candidate == config:
             continue
-        result = _replay(disagrees(candidate), list(program))
+        result = replay(disagrees(candidate), list(program))
         if result is not None and kind(result) == wanted:
             config = candidate
     return config
-
-
-def _replay(check: Callable[[list[Call]], str | None], program: list[Call]) -> str | None:
-    """The difference ``program`` shows, or None (also when its own model breaks an
-    invariant: then it is not this failure)."""
-    try:
-        return check(program) if program else None
-    except InvariantViolation:
-        return None
 
 
 def mutation_matrix(profile: settings, progress: bool = False) -> list[CampaignResult]:

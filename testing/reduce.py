@@ -30,7 +30,7 @@ def reduce_program(
     """The smallest subsequence of ``program`` this pass finds on which ``disagrees`` still
     returns a difference, with that difference (None if ``program`` itself conforms)."""
     current = list(program)
-    found = _check(disagrees, current)
+    found = replay(disagrees, current)
     if found is None:
         return current, None
     wanted = kind(found)
@@ -39,7 +39,7 @@ def reduce_program(
         start, removed = 0, False
         while start < len(current):
             candidate = current[:start] + current[start + chunk :]
-            result = _check(disagrees, candidate) if candidate else None
+            result = replay(disagrees, candidate)
             if result is not None and kind(result) == wanted:
                 current, found, removed = candidate, result, True
             else:
@@ -69,8 +69,11 @@ def kind(found: str) -> str:
     return re.sub(r"\d+", "N", rest.split(":")[0])
 
 
-def _check(disagrees: Callable[[list[Call]], str | None], program: list[Call]) -> str | None:
-    """A program whose own model breaks an invariant is not a reduction of this failure."""
+def replay(disagrees: Callable[[list[Call]], str | None], program: list[Call]) -> str | None:
+    """The difference ``program`` shows, or None: also for no program at all, and for one
+    whose own model breaks an invariant (it is not a reduction of this failure)."""
+    if not program:
+        return None
     try:
         return disagrees(program)
     except InvariantViolation:

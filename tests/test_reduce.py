@@ -91,8 +91,9 @@ def test_a_failure_is_reported_in_the_simplest_configuration_that_shows_it() -> 
         found = "call 0 ('step', 8): model returned 1, implementation 2" if c.lazy else None
         return lambda calls: found
 
-    assert simpler_config(config, program, only_lazy).lazy
-    assert simpler_config(config, program, lambda c: lambda calls: None) == config
+    wanted = "result of step"
+    assert simpler_config(config, program, only_lazy, wanted).lazy
+    assert simpler_config(config, program, lambda c: lambda calls: None, wanted) == config
 
 
 def test_a_call_only_the_lazy_program_needs_goes_with_lazy_mode() -> None:
