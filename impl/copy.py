@@ -124,33 +124,52 @@ class CopyPlan:
         src_ids, dst_ids, _, _ = self._pairs
         return _moves(src_ids, dst_ids)
 
-    gather: bool  # whether the steps gather (index on the source side); set with them
-
     @functools.cached_property
-    def steps(self) -> list[_Step]:
-        """The torch operations of the plan (built when first needed: a plan that runs as
-        memmoves never builds its index tensors)."""
+    def _torch_plan(self) -> tuple[bool, list[_Step]]:
+        """Whether the steps gather (consecutive on the destination side, indexed on the
+        source side) or scatter, and the steps: built when first needed, so that a plan
+        that runs as memmoves never builds its index tensors."""
         src_ids, dst_ids, src_device, dst_device = self._pairs
         whole = False  # the consecutive side is consecutive as a whole: one run
         if self.crossing:
             # The host side is consecutive in each run: one contiguous DMA per run.
-            self.gather = dst_device.type == "cpu"
-            whole = consecutive(dst_ids if self.gather else src_ids)
+            gather = dst_device.type == "cpu"
+            whole = consecutive(dst_ids if gather else src_ids)
         elif consecutive(dst_ids):
-            self.gather = whole = True
+            gather = whole = True
         elif consecutive(src_ids):
-            self.gather, whole = False, True
+            gather, whole = False, True
         else:
-            self.gather = len(host_runs(dst_ids, src_ids)) <= len(host_runs(src_ids, dst_ids))
-        here, there = (dst_ids, src_ids) if self.gather else (src_ids, dst_ids)
-        there_device = src_device if self.gather else dst_device
+            gather = len(host_runs(dst_ids, src_ids)) <= len(host_runs(src_ids, dst_ids))
+        here, there = (dst_ids, src_ids) if gather else (src_ids, dst_ids)
+        there_device = src_device if gather else dst_device
         runs = [(here[0], list(there))] if whole else host_runs(here, there)
-        return [
+        steps = [
             _Step(start, len(ids), ids[0], None)
             if consecutive(ids)
             else _Step(start, len(ids), 0, _index(ids, there_device))
             for start, ids in runs
         ]
+        return gather, steps
+
+    @property
+    def gather(self) -> bool:
+        """Whether the torch steps gather (index on the source side) or scatter."""
+        return self._torch_plan[0]
+
+    @property
+    def steps(self) -> list[_Step]:
+        """The torch operations of the plan, one per run."""
+        return self._torch_plan[1]
+
+    @functools.cached_property
+    def _bounds(self) -> tuple[tuple[int, int], tuple[int, int]]:
+        """The lowest and highest id on each side, source first (checked before memmove)."""
+        src_ids, dst_ids, _, _ = self._pairs
+        return (
+            (min(src_ids, default=0), max(src_ids, default=-1)),
+            (min(dst_ids, default=0), max(dst_ids, default=-1)),
+        )
 
     def run(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy the planned blocks of ``src`` into ``dst`` (``[num_blocks, ...]`` each, the
@@ -161,21 +180,21 @@ class CopyPlan:
         """:meth:`run` on tensors already viewed by :func:`rows`."""
         if self.host_to_host and self._memmove(s, d):
             return
-        steps = self.steps
+        gather, steps = self._torch_plan
         for step in steps:
             here = slice(step.start, step.start + step.n)
             if step.ids is None:
                 there = slice(step.other_start, step.other_start + step.n)
-                if self.gather:
+                if gather:
                     d[here].copy_(s[there], non_blocking=True)
                 else:
                     d[there].copy_(s[here], non_blocking=True)
             elif not self.crossing:
-                if self.gather:
+                if gather:
                     torch.index_select(s, 0, step.ids, out=d[here])
                 else:
                     d.index_copy_(0, step.ids, s[here])
-            elif self.gather:  # device -> host: gather on the device, one DMA out
+            elif gather:  # device -> host: gather on the device, one DMA out
                 d[here].copy_(s.index_select(0, step.ids), non_blocking=True)
             else:  # host -> device: one DMA in, scatter on the device
                 d.index_copy_(0, step.ids, s[here].to(d.device, non_blocking=True))
@@ -189,9 +208,8 @@ class CopyPlan:
             return False
         if not (_packed(s, row) and _packed(d, row)):
             return False
-        src_ids, dst_ids, _, _ = self._pairs
-        for side, tensor, ids in (("source", s, src_ids), ("destination", d, dst_ids)):
-            low, high = min(ids, default=0), max(ids, default=-1)
+        sides = zip(("source", "destination"), (s, d), self._bounds, strict=True)
+        for side, tensor, (low, high) in sides:
             if low < 0 or high >= tensor.shape[0]:
                 bad = low if low < 0 else high
                 raise IndexError(f"{side} block {bad} out of range of {tensor.shape[0]} blocks")
