@@ -144,10 +144,10 @@ class LazyScanRecord:
 
 @dataclass(frozen=True)
 class LazyReturnRecord:
-    """A completed lazy store's GPU blocks, and the GPU free queue right after."""
+    """The GPU blocks of a completed lazy store that became free, in store order, and the
+    GPU free queue right after."""
 
-    gpu_block_ids: tuple[int, ...]
-    freed: tuple[int, ...]  # those that became free
+    freed: tuple[int, ...]
     queue_after: tuple[int, ...]
 
 
@@ -566,7 +566,6 @@ class OffloadScheduler:
         self.return_lazy_blocks(gpu_blocks)
         self.lazy_return_log.append(
             LazyReturnRecord(
-                tuple(transfer.gpu_block_ids),
                 tuple(b.block_id for b in gpu_blocks if b.ref_cnt == 0),
                 tuple(self.gpu_pool.free_queue),
             )

@@ -16,8 +16,7 @@ breaks:
   Caught by REGISTERED.
 - ``serves-skip-reading``: vLLM <= 0.29.0 (PR #54998, in 0.30.0): the connector serves a CPU
   hit to a request that skips reading the prefix cache (prompt logprobs), which vLLM's own
-  prefix cache never serves. No state invariant demands it: the machine finds it as a
-  difference (S12 of ``docs/history.md``).
+  prefix cache never serves. Caught by NO-READ (S12 of ``docs/history.md``).
 - ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``bug-53498-primary-only`` and
   ``bug-53498-no-final-flush``), ``serves-skip-reading``, and its selection loop, whose
   cursors also pass over blocks that need no store while the CPU pool is full

@@ -142,7 +142,7 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     ),
     # a lazily stored block freed behind another one
     "LAZY-EVICT-FIRST": lambda m: m.engine.connector.lazy_return_log.append(
-        LazyReturnRecord((5,), (5,), (1, 5))
+        LazyReturnRecord((5,), (1, 5))
     ),
 }
 

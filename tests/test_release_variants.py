@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.model import ConfigError, violations
+from kvoffload.model import ConfigError, InvariantViolation, OffloadModel, violations
 from kvoffload.model.variants import is_variant, keeps_invariants, scheduler_class
+from kvoffload.testing.lockstep import apply
 
 from helpers import complete_all_stores, make, prompt, waiting_on_a_pinned_hit
+from scenarios import SCENARIOS
 
 
 def test_no_hit_pins_leaves_a_found_hit_unpinned_while_its_request_waits() -> None:
@@ -97,3 +99,28 @@ def test_variants_compose() -> None:
     assert not keeps_invariants("fixed+no-hit-pins")
     with pytest.raises(ConfigError, match="unknown variant 'fixed\\+nope'"):
         make(variant="fixed+nope")
+
+
+@pytest.mark.parametrize(
+    ("variant", "scenario", "invariant"),
+    [
+        ("serves-skip-reading", "skip-reading-after-eviction", "NO-READ"),
+        ("lazy-cursor", "lazy-scan-after-cpu-eviction", "LAZY-SCAN"),
+        ("lazy-tail", "lazy-store-return-and-load", "LAZY-EVICT-FIRST"),
+    ],
+)
+def test_the_later_bugs_break_the_invariant_their_variant_names(
+    variant: str, scenario: str, invariant: str
+) -> None:
+    """The variants of S12, S27 and S26, with every invariant checked after every call: the
+    fixed model runs the scenario clean, the variant breaks the invariant its docstring
+    names."""
+    config, program = SCENARIOS[scenario]
+    fixed = OffloadModel(config, check=True)
+    for call in program:
+        apply(fixed, call)
+    buggy = OffloadModel(config, variant=variant, check=True)
+    with pytest.raises(InvariantViolation) as caught:
+        for call in program:
+            apply(buggy, call)
+    assert caught.value.invariant == invariant
