@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.impl.pool import NULL, Pool
+from kvoffload.model.arith import window_run
 from kvoffload.model.types import NO_EVENT, ConnectorMetadata
 
 if TYPE_CHECKING:
@@ -70,6 +71,19 @@ class Connector:
         self.sizes = config.group_block_sizes
         self.align = config.scheduler_block_size
         self.hbs = config.hash_block_size
+        # Spec groups (kind, window, group ids): full attention first; one group list
+        # empty when every group is full attention (looked up together, the fast path).
+        specs: dict[tuple[int | None, int], list[int]] = {}
+        for g, size in enumerate(self.sizes):
+            specs.setdefault((config.window(g), size), []).append(g)
+        ordered = sorted(specs.items(), key=lambda item: item[0][0] is not None)
+        self.specs: list[tuple[int, int | None, list[int]]] = [
+            (size, window, groups) for (window, size), groups in ordered
+        ]
+        if not config.sliding_windows:
+            self.specs = [(0, None, [])]
+        self.simple_hybrid = len(self.specs) == 2 and self.specs[0][1] is None
+        self.windows = [config.window(g) for g in range(len(self.sizes))]
         self.gpu = gpu
         self.cpu = Pool(config.cpu_blocks, "cpu")
         self.workers = config.world_size
@@ -101,32 +115,130 @@ class Connector:
         limit: int,
         skip: Container[int] = (),
     ) -> tuple[list[list[int]], int]:
-        """Per group, blocks hit left to right from ``start_tokens``; the common aligned hit.
+        """Per group, the blocks of the longest hit from ``start_tokens`` that every group
+        agrees on, and its length (vLLM's hybrid coordinator: full attention first, left to
+        right; sliding windows right to left; asked again until no group lowers the hit).
         Blocks in ``skip`` are passed over as if they were not cached."""
-        found: list[list[int]] = []
+        if not self.specs[0][2]:  # full attention only
+            return self._full_hit(pool, keys, self.specs[0][2], start_tokens, limit, skip)
+        found: list[list[int]] = [[] for _ in self.sizes]
+        full_hits: dict[int, int] = {}
+        hit = max(limit, 0)
+        while True:
+            candidate = hit
+            for s, (_, window, groups) in enumerate(self.specs):
+                if window is None and s in full_hits:
+                    candidate = min(candidate, full_hits[s])
+                    continue
+                if window is None:
+                    blocks, candidate = self._full_hit(
+                        pool, keys, groups, start_tokens, candidate, skip
+                    )
+                    full_hits[s] = candidate
+                else:
+                    blocks, candidate = self._window_hit(
+                        pool, keys, groups, window, start_tokens, candidate, skip
+                    )
+                for g, group_blocks in zip(groups, blocks, strict=True):
+                    found[g] = group_blocks
+            if candidate >= hit:
+                break
+            hit = candidate
+            if self.simple_hybrid:
+                break
+        for g, size in enumerate(self.sizes):
+            if self.config.window(g) is None:
+                del found[g][-(-hit // size) :]
+        return found, hit
+
+    def _position(
+        self,
+        pool: Pool,
+        keys: Sequence[Sequence[str]],
+        groups: list[int],
+        i: int,
+        skip: Container[int],
+    ) -> list[int] | None:
+        """The blocks of absolute position ``i`` in every group of a spec, or None."""
+        found: list[int] = []
+        for g in groups:
+            if i >= len(keys[g]):
+                return None
+            block = pool.find(keys[g][i], skip) if skip or pool.dups else pool.index.get(keys[g][i])
+            if block is None:
+                return None
+            found.append(block)
+        return found
+
+    def _full_hit(
+        self,
+        pool: Pool,
+        keys: Sequence[Sequence[str]],
+        groups: list[int],
+        start_tokens: int,
+        limit: int,
+        skip: Container[int],
+    ) -> tuple[list[list[int]], int]:
+        """Full attention: the run of cached blocks from the start, aligned down. Without
+        ``groups`` (the full-attention-only layout), every group at once."""
+        groups = groups or list(range(len(self.sizes)))
+        runs: list[list[int]] = [[] for _ in groups]
         hit = limit
-        index = pool.index
-        for size, group_keys in zip(self.sizes, keys, strict=True):
+        for k, g in enumerate(groups):
+            size = self.sizes[g]
             first = start_tokens // size
-            wanted = group_keys[first : first + limit // size]
-            blocks: list[int] = []
+            index, run = pool.index, runs[k]
             if skip or pool.dups:
-                for key in wanted:
+                for key in keys[g][first : first + limit // size]:
                     block = pool.find(key, skip)
                     if block is None:
                         break
-                    blocks.append(block)
+                    run.append(block)
             else:  # one holder per key: the index alone answers
-                for key in wanted:
+                for key in keys[g][first : first + limit // size]:
                     block = index.get(key)
                     if block is None:
                         break
-                    blocks.append(block)
-            found.append(blocks)
-            reach = len(blocks) * size
+                    run.append(block)
+            reach = len(run) * size
             hit = min(hit, reach - reach % self.align)
         hit = max(hit, 0)
-        return [blocks[: hit // size] for blocks, size in zip(found, self.sizes, strict=True)], hit
+        return [run[: -(-hit // self.sizes[g])] for run, g in zip(runs, groups, strict=True)], hit
+
+    def _window_hit(
+        self,
+        pool: Pool,
+        keys: Sequence[Sequence[str]],
+        groups: list[int],
+        window: int,
+        start_tokens: int,
+        limit: int,
+        skip: Container[int],
+    ) -> tuple[list[list[int]], int]:
+        """A sliding window: from the end of ``limit`` back to the first run of
+        ``window_run`` cached blocks ending on an aligned boundary; nulls before it."""
+        size = self.sizes[groups[0]]
+        need = window_run(window, size)
+        first = start_tokens // size
+        count = limit // size
+        blocks = [[NULL] * count for _ in groups]
+        run = 0
+        for i in range(count - 1, -1, -1):
+            found = self._position(pool, keys, groups, first + i, skip)
+            if found is None:
+                run = 0
+                continue
+            if run == 0 and size != self.align and (i + 1) * size % self.align:
+                continue
+            for group_blocks, block in zip(blocks, found, strict=True):
+                group_blocks[i] = block
+            run += 1
+            if run >= need:
+                return [b[: i + run] for b in blocks], (i + run) * size
+        blocks = [b[:run] for b in blocks]
+        while size != self.align and len(blocks[0]) * size % self.align:
+            blocks = [b[:-1] for b in blocks]
+        return blocks, len(blocks[0]) * size
 
     def match(self, request: ImplRequest, computed: int) -> tuple[int, bool]:
         stale = self.hits.pop(request.request_id, None)
@@ -180,10 +292,10 @@ class Connector:
         return [b for b in candidates if b in bad] if bad else []
 
     def pin_hit(self, blocks: list[list[int]]) -> None:
-        self.cpu.pin(b for group in blocks for b in group)
+        self.cpu.pin(b for group in blocks for b in group if b != NULL)
 
     def unpin_hit(self, hit: Hit) -> None:
-        self.cpu.release(b for group in hit.blocks for b in group)
+        self.cpu.release(b for group in hit.blocks for b in group if b != NULL)
 
     def after_alloc(
         self, request: ImplRequest, tables: tuple[list[int], ...], external: int
@@ -200,11 +312,12 @@ class Connector:
         gpu: list[int] = []
         cpu: list[int] = []
         for table, blocks, size in zip(tables, hit.blocks, self.sizes, strict=True):
-            taken = blocks[: -(-external // size)]
             base = hit.start // size
-            gpu += table[base : base + len(taken)]
-            cpu += taken
-        if cpu != [b for group in hit.blocks for b in group]:
+            for i, block in enumerate(blocks[: -(-external // size)]):
+                if block != NULL:  # a sliding window's position before its run
+                    gpu.append(table[base + i])
+                    cpu.append(block)
+        if cpu != [b for group in hit.blocks for b in group if b != NULL]:
             self.cpu.pin(cpu)
             self.unpin_hit(hit)
         # else the load takes the whole hit: its pins become the load's (pin, then unpin)
@@ -323,7 +436,10 @@ class Connector:
         for g, table in enumerate(tables):
             if len(picked) >= room:
                 return picked, advanced, True
-            window = table[tracker.cursors[g] : min(len(table), confirmed // self.sizes[g])]
+            start = tracker.cursors[g]
+            window = table[start : min(len(table), confirmed // self.sizes[g])]
+            if self.windows[g] is not None:
+                window = self.window_of(tracker.request, g, start, window)
             found = self.storable(window)
             left = room - len(picked)
             if len(found) <= left:
@@ -334,6 +450,22 @@ class Connector:
             advanced[g] = window.index(found[left])
             return picked, advanced, True
         return picked, advanced, False
+
+    def window_of(
+        self, request: ImplRequest, group: int, start: int, window: list[int]
+    ) -> list[int]:
+        """What the scan of a sliding-window group considers from its cursor: the table's
+        blocks, each null (a block that left the window) replaced by the GPU block cached
+        under its position's key, where there is one (vLLM 0.30.0)."""
+        if NULL not in window:
+            return window
+        keys = request.block_keys()[group]
+        return [
+            block
+            if block != NULL or start + i >= len(keys)
+            else (self.gpu.find(keys[start + i]) or NULL)
+            for i, block in enumerate(window)
+        ]
 
     def reserve(self, picked: list[int]) -> list[int]:
         """CPU destinations for ``picked``: fresh, unkeyed, unreachable until completion."""

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.impl.connector import Connector, Copy
 from kvoffload.impl.pool import NULL, Pool, make_key
+from kvoffload.model.arith import reachable, skipped_blocks
 from kvoffload.model.keys import chain_digest
 
 if TYPE_CHECKING:
@@ -193,32 +194,60 @@ class ImplEngine:
     ) -> bool:
         rid = req.request_id
         first = rid not in self.tables
+        computed = req.num_computed_tokens + local + external
+        if not first:
+            self.drop_skipped(rid, computed)
         table = self.table(rid)
         hits = hits or [[] for _ in self.sizes]
-        end = req.num_computed_tokens + local + external + n
+        skips = [0 if not first else self.skipped(g, computed) for g in range(len(self.sizes))]
+        end = computed + n
         wanted = [-(-end // size) for size in self.sizes]
         need = sum(
-            max(0, w - len(ids) - len(h)) for w, ids, h in zip(wanted, table, hits, strict=True)
+            max(0, w - max(k, len(ids) + len(h)))
+            for w, ids, h, k in zip(wanted, table, hits, skips, strict=True)
         )
         ref = self.gpu.ref
-        need += sum(1 for h in hits for b in h if ref[b] == 0 and b != NULL)
+        need += sum(
+            1 for h, k in zip(hits, skips, strict=True) for b in h[k:] if ref[b] == 0 and b != NULL
+        )
         if need > self.gpu.num_free:
             return False
         if first:
             self.tables[rid] = table
-            self.cached[rid] = [len(h) for h in hits]
-            for ids, h in zip(table, hits, strict=True):
-                self.gpu.pin(h)
-                ids.extend(h)
+            for ids, h, k in zip(table, hits, skips, strict=True):
+                self.gpu.pin(h[k:])
+                ids.extend([NULL] * k)
+                ids.extend(h[k:])
+            self.cached[rid] = [len(ids) for ids in table]
             if external:
-                for ids, size in zip(table, self.sizes, strict=True):
-                    k = -(-(local + external) // size) - len(ids)
-                    ids.extend(self.gpu.allocate(max(0, k)))
+                reach = local + external
+                for g, (ids, size) in enumerate(zip(table, self.sizes, strict=True)):
+                    window = self.config.window(g)
+                    if window is not None and reach >= window and window < 2:
+                        continue  # the whole external range left the window
+                    ids.extend(self.gpu.allocate(max(0, -(-reach // size) - len(ids))))
         for ids, w in zip(table, wanted, strict=True):
             ids.extend(self.gpu.allocate(max(0, w - len(ids))))
         if not delay_cache:
             self.cache(req, min(end, req.num_tokens))
         return True
+
+    def skipped(self, group: int, computed: int) -> int:
+        """Leading blocks of ``group`` outside the window of ``computed`` tokens."""
+        window = self.config.window(group)
+        return 0 if window is None else skipped_blocks(computed, window, self.sizes[group])
+
+    def drop_skipped(self, rid: str, computed: int) -> None:
+        """Free the sliding-window blocks that left the window, nulls in their place."""
+        for g, ids in enumerate(self.tables[rid]):
+            freed: list[int] = []
+            for i in range(min(self.skipped(g, computed), len(ids)) - 1, -1, -1):
+                if ids[i] == NULL:
+                    break
+                freed.append(ids[i])
+                ids[i] = NULL
+            if freed:
+                self.gpu.release(freed)
 
     def cache(self, req: ImplRequest, num_tokens: int) -> None:
         hbs = self.config.hash_block_size
@@ -228,11 +257,20 @@ class ImplEngine:
             ids = self.tables[rid][g]
             done = self.cached[rid][g]
             full = num_tokens // size
+            window = self.config.window(g)
             if full > done:
                 keys = req.block_keys()[g]
-                self.gpu.register_full(keys[done:full], ids[done:full], (done + 1) * size, size)
+                if window is None:
+                    self.gpu.register_full(keys[done:full], ids[done:full], (done + 1) * size, size)
+                else:
+                    align = self.config.scheduler_block_size
+                    for i in range(done, full):
+                        if reachable(i, window, size, align):
+                            self.gpu.register_full([keys[i]], [ids[i]], (i + 1) * size, size)
                 self.cached[rid][g] = full
-            if size == hbs or boundary == 0 or boundary > num_tokens or boundary % size == 0:
+            if window is not None or size == hbs or boundary == 0:
+                continue
+            if boundary > num_tokens or boundary % size == 0:
                 continue
             if boundary // size < len(ids):
                 key = req.fine_key(boundary // hbs - 1, g)
@@ -264,12 +302,14 @@ class ImplEngine:
 
     def finish(self, rid: str) -> Copy | None:
         req = self.requests[rid]
+        was_loading = req.status is Status.WAITING_FOR_REMOTE_KVS
+        if rid in self.tables and not was_loading:
+            self.drop_skipped(rid, req.num_computed_tokens)
         tables = tuple(
             ids[: -(-req.num_computed_tokens // size)]
             for ids, size in zip(self.table(rid), self.sizes, strict=True)
         )
         flush = self.connector.finished(req, tables)
-        was_loading = req.status is Status.WAITING_FOR_REMOTE_KVS
         for queue in (self.running, self.waiting):
             if rid in queue:
                 queue.remove(rid)
@@ -283,7 +323,7 @@ class ImplEngine:
 
     def free_table(self, rid: str) -> None:
         for ids in self.tables.pop(rid, []):
-            self.gpu.release(reversed(ids))
+            self.gpu.release([b for b in reversed(ids) if b != NULL])
         self.cached.pop(rid, None)
 
     def loads_done(self, rids: set[str]) -> None:

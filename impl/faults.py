@@ -218,6 +218,32 @@ class LazyStaleCursor(Connector):
         return super().reset()
 
 
+class WindowTailNotRecovered(Connector):
+    """vLLM <= 0.29.0 (S14, recovered in 0.30.0 by ``_cached_gpu_block``): a sliding-window
+    group's blocks that left the window are the null block in the table the scan reads, and
+    the scan passes over them, so the retained tail the GPU prefix cache still holds is
+    never stored."""
+
+    def window_of(
+        self, request: ImplRequest, group: int, start: int, window: list[int]
+    ) -> list[int]:
+        return window
+
+
+class WindowScanBreaks(Connector):
+    """vLLM <= 0.21.0 (S3, PR #42296): the eager scan of a sliding-window group stops at
+    the first block without a key (a position no hit can end on) instead of passing over
+    it, so its cursor never moves past it and no later block of the group is stored."""
+
+    def window_of(
+        self, request: ImplRequest, group: int, start: int, window: list[int]
+    ) -> list[int]:
+        blocks = super().window_of(request, group, start, window)
+        key = self.gpu.key
+        unkeyed = next((i for i, b in enumerate(blocks) if b != NULL and key[b] is None), None)
+        return blocks if unkeyed is None else blocks[:unkeyed]
+
+
 class StoreSkipsComputeWait(Worker):
     """vLLM #45704: the store copy must wait on an event recorded after the step's compute;
     without the wait it can read KV the compute stream has not written yet."""
@@ -306,6 +332,8 @@ FAULTS: dict[str, Fault] = {
         Fault("serves-skip-reading", ServesSkipReading, "NO-READ"),
         Fault("lazy-returns-to-tail", LazyReturnsToTail, "LAZY-EVICT-FIRST"),
         Fault("lazy-stale-cursor", LazyStaleCursor, "LAZY-SCAN"),
+        Fault("window-tail-not-recovered", WindowTailNotRecovered, "RECOVER"),
+        Fault("window-scan-breaks", WindowScanBreaks, "FLUSH-COMPLETE"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

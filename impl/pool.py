@@ -177,15 +177,18 @@ class Pool:
     ) -> None:
         """A request's consecutive full blocks: ``keys[i]`` becomes the primary of
         ``blocks[i]``, covering ``first_tokens + i * size`` tokens; a block still holding
-        keys (a partial block's prompt-boundary key) drops them first."""
+        keys (a partial block's prompt-boundary key) drops them first. The null block (a
+        sliding window's skipped position) takes no key."""
         own, own_tokens, index, extra = self.key, self.key_tokens, self.index, self.extra_keys
-        tokens = first_tokens
+        tokens = first_tokens - size
         for key, block in zip(keys, blocks, strict=True):
+            tokens += size
+            if block == NULL:
+                continue
             if own[block] is not None or (extra and block in extra):
                 self.drop_keys(block)
             own[block] = key
             own_tokens[block] = tokens
-            tokens += size
             if key in index:
                 self._map(key, block)
             else:

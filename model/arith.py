@@ -91,18 +91,39 @@ def _reached_storable_are_picked(
     )
 
 
-def hit_length(found: list[int], group_sizes: list[int], alignment: int, limit: int) -> int:
-    """The hit of all groups together: each group's run of hit blocks in tokens, aligned
-    down to the scheduler block size, the shortest of them, and never above ``limit``.
+def window_run(window: int, block_size: int) -> int:
+    """How many cached blocks a sliding-window hit must end with: those holding the
+    ``window - 1`` tokens a token right after the hit attends to.
 
-    pre: len(found) == len(group_sizes) > 0
-    pre: all(n >= 0 for n in found) and all(s > 0 for s in group_sizes)
-    pre: alignment > 0 and limit >= 0
-    post: 0 <= __return__ <= limit
-    post: __return__ % alignment == 0
-    post: all(__return__ <= n * s for n, s in zip(found, group_sizes))
+    pre: window > 0 and block_size > 0
+    post: __return__ * block_size >= window - 1
+    post: __return__ == 0 or (__return__ - 1) * block_size < window - 1
     """
-    hit = limit
-    for n, size in zip(found, group_sizes, strict=True):
-        hit = min(hit, align_down(n * size, alignment))
-    return align_down(hit, alignment)
+    return -(-(window - 1) // block_size)
+
+
+def skipped_blocks(num_computed: int, window: int, block_size: int) -> int:
+    """How many leading blocks of a sliding-window group no later token attends to, once
+    ``num_computed`` tokens are computed (vLLM's ``get_num_skipped_tokens``, in blocks).
+
+    pre: num_computed >= 0 and window > 0 and block_size > 0
+    post: __return__ >= 0
+    post: __return__ * block_size <= max(0, num_computed - window + 1)
+    post: (__return__ + 1) * block_size > num_computed - window + 1
+    """
+    return max(0, num_computed - window + 1) // block_size
+
+
+def reachable(index: int, window: int, block_size: int, scheduler_block_size: int) -> bool:
+    """Whether block ``index`` of a sliding-window group gets a key: a hit ends on a
+    scheduler-block boundary with ``window_run`` cached blocks, so when that run is shorter
+    than a scheduler block only its last ``window_run`` blocks can serve one (vLLM 0.34.0's
+    ``reachable_block_mask``); otherwise every block can.
+
+    pre: index >= 0 and window > 0 and block_size > 0
+    pre: scheduler_block_size % block_size == 0
+    post: __return__ or (index + 1) * block_size % scheduler_block_size != 0 or window == 1
+    """
+    per_segment = scheduler_block_size // block_size
+    run = window_run(window, block_size)
+    return run >= per_segment or index % per_segment >= per_segment - run

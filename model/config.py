@@ -7,7 +7,10 @@ Invariants kept here (checked once, at construction):
   from the fine-grained chain, one key per ``block_size // hash_block_size`` hash blocks);
 - the scheduler block size is the least common multiple of the group block sizes, so every
   group block size divides it;
-- ``lazy`` is a bool.
+- ``lazy`` is a bool;
+- ``sliding_windows`` is empty (every group is full attention) or names, per group, a
+  sliding window in tokens (a positive int) or None (full attention), and at least one group
+  is full attention (vLLM's offload scheduler matches prefixes on a full-attention group).
 """
 
 from __future__ import annotations
@@ -41,7 +44,10 @@ class OffloadConfig:
     groups share one ``BlockPool``. ``world_size`` is the number of workers that must
     report a store before it counts as complete. ``lazy``: offload lazily (each step, the
     cached blocks nearest eviction in the GPU free queue) instead of eagerly (each request's
-    blocks as they are computed).
+    blocks as they are computed). ``sliding_windows``: per group, the sliding window of a
+    sliding-window attention group (vLLM's ``SlidingWindowSpec``: a token attends to the
+    ``window - 1`` tokens before it, so blocks wholly before that leave the request's block
+    table), or None for full attention; empty when every group is full attention.
     """
 
     gpu_blocks: int
@@ -50,6 +56,7 @@ class OffloadConfig:
     hash_block_size: int = 16
     world_size: int = 1
     lazy: bool = False
+    sliding_windows: tuple[int | None, ...] = ()
     scheduler_block_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -69,17 +76,69 @@ class OffloadConfig:
                     f"hash_block_size {self.hash_block_size} does not divide "
                     f"group {g}'s block size {size}"
                 )
+        self._check_windows()
         object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
+
+    def _check_windows(self) -> None:
+        windows = self.sliding_windows
+        if not isinstance(windows, tuple):
+            raise ConfigError(f"sliding_windows must be a tuple, got {windows!r}")
+        if not windows:
+            return
+        if len(windows) != len(self.group_block_sizes):
+            raise ConfigError(
+                f"sliding_windows names {len(windows)} groups, group_block_sizes "
+                f"{len(self.group_block_sizes)}"
+            )
+        for g, window in enumerate(windows):
+            if window is not None:
+                _require_positive_int(f"sliding_windows[{g}]", window)
+        if all(window is not None for window in windows):
+            raise ConfigError(
+                "sliding_windows leaves no full-attention group: the offload scheduler "
+                "matches prefixes on one"
+            )
 
     @property
     def num_groups(self) -> int:
         return len(self.group_block_sizes)
 
+    def window(self, group: int) -> int | None:
+        """The sliding window of ``group``, or None for a full-attention group."""
+        return self.sliding_windows[group] if self.sliding_windows else None
+
+    def blocks_for(self, num_tokens: int) -> int:
+        """The GPU blocks a request of ``num_tokens`` computed tokens holds at most, in all
+        groups, when it computes one token per step: each full-attention group holds a
+        block per ``block_size`` tokens; a sliding-window group frees the blocks wholly
+        before its window, so it never holds more than at one of the first
+        ``window - 1 + block_size`` tokens (from there on the count repeats)."""
+        total = 0
+        for g, size in enumerate(self.group_block_sizes):
+            window = self.window(g)
+            if window is None:
+                total += -(-num_tokens // size)
+                continue
+            total += max(
+                (
+                    -(-(t + 1) // size) - max(0, t - window + 1) // size
+                    for t in range(min(num_tokens, window - 1 + size))
+                ),
+                default=0,
+            )
+        return total
+
     @property
     def lazy_target_free(self) -> int:
         """GPU blocks the lazy scan covers per step, from the head of the free queue: twice
-        what one step's token budget can take in every group (vLLM's
-        ``_estimate_lazy_target_blocks`` for full-attention groups)."""
-        return LAZY_WATERMARK * sum(
-            -(-MAX_NUM_BATCHED_TOKENS // size) for size in self.group_block_sizes
-        )
+        what one step's token budget can take in every full-attention group, and a window's
+        blocks and one more in every sliding-window group (vLLM's
+        ``_estimate_lazy_target_blocks``)."""
+        total = 0
+        for g, size in enumerate(self.group_block_sizes):
+            window = self.window(g)
+            if window is None:
+                total += -(-MAX_NUM_BATCHED_TOKENS // size)
+            else:
+                total += -(-window // size) + 1
+        return LAZY_WATERMARK * total

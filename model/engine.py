@@ -6,9 +6,15 @@ token budget (running requests first, then waiting ones in order; chunked prefil
 one-token decode steps), async CPU loads, and finish, which tells the connector before it
 frees the request's GPU blocks.
 
+Sliding-window groups: the blocks wholly before a request's window leave its table (the
+null block takes their place) when it is allocated again and when it finishes; they are
+freed, and keep their keys in the free queue until evicted. Its hits are nulls up to the
+run of blocks the window needs. Of each scheduler block, only the blocks a hit can end
+with get keys.
+
 Not modelled: preemption (a running request that cannot get blocks waits for a later
-step, and no waiting request is admitted in that step), speculative decoding, sliding
-windows, Mamba, encoder inputs, lazy offloading.
+step, and no waiting request is admitted in that step), speculative decoding, Mamba,
+chunked local attention, encoder inputs.
 
 Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 
@@ -18,6 +24,8 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - REF-CPU: each CPU block's ref count is the number of lookup pins and loads that include
   it plus one if it is the destination of a queued, in-flight or abandoned store.
 - KEYS: the GPU blocks of a request's computed full blocks carry the request's keys.
+- WINDOW: a sliding-window table holds the null block exactly at the positions wholly
+  before the window of the request's computed tokens, as of its last allocation.
 """
 
 from __future__ import annotations
@@ -27,6 +35,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
+from kvoffload.model.arith import reachable, skipped_blocks
 from kvoffload.model.block_pool import Block
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.keys import block_keys, extend_digests, fine_key
@@ -240,30 +249,54 @@ class Engine:
         num_external: int = 0,
         delay_cache: bool = False,
     ) -> bool:
-        """Give ``req`` slots for ``num_new`` more tokens; False when the pool is too small."""
+        """Give ``req`` slots for ``num_new`` more tokens; False when the pool is too small.
+
+        As vLLM's ``allocate_slots``: sliding-window blocks that left the window are freed
+        first (even when the allocation then fails), then the pool is checked, then the
+        hits are taken, then the external range, then the rest.
+        """
         req_id = req.request_id
         sizes = self.config.group_block_sizes
+        computed = req.num_computed_tokens + num_local + num_external
+        if req_id in self.req_to_blocks:
+            self.remove_skipped_blocks(req_id, computed)
         current = self.blocks_of(req_id)
         hits = hit_blocks if hit_blocks is not None else tuple([] for _ in sizes)
-        computed = req.num_computed_tokens + num_local + num_external
+        # Per group, the hit blocks before the window are not taken (the table holds nulls).
+        skipped = [
+            0 if req_id in self.req_to_blocks else self.skipped_blocks(g, computed)
+            for g in range(len(sizes))
+        ]
         need = [
-            max(0, math.ceil((computed + num_new) / size) - len(ids) - len(hit))
-            for size, ids, hit in zip(sizes, current, hits, strict=True)
+            max(0, math.ceil((computed + num_new) / size) - max(skip, len(ids) + len(hit)))
+            for size, ids, hit, skip in zip(sizes, current, hits, skipped, strict=True)
         ]
         # Hit blocks that sit in the free queue leave it when touched.
-        evictable = sum(1 for hit in hits for b in hit if b.ref_cnt == 0 and not b.is_null)
+        evictable = sum(
+            1
+            for hit, skip in zip(hits, skipped, strict=True)
+            for b in hit[skip:]
+            if b.ref_cnt == 0 and not b.is_null
+        )
         if sum(need) + evictable > self.gpu_pool.num_free_blocks:
             return False
         if req_id not in self.req_to_blocks:
             # First allocation: touch every group's hits before any block is taken, then the
             # blocks of the external range, then the rest (vLLM issue #33775).
-            self.req_to_blocks[req_id] = [[b.block_id for b in hit] for hit in hits]
-            self.num_cached_blocks[req_id] = [len(hit) for hit in hits]
-            for hit in hits:
-                self.gpu_pool.touch(hit)
+            null = self.gpu_pool.null_block.block_id
+            self.req_to_blocks[req_id] = [
+                [null] * skip + [b.block_id for b in hit[skip:]]
+                for hit, skip in zip(hits, skipped, strict=True)
+            ]
+            self.num_cached_blocks[req_id] = [len(ids) for ids in self.req_to_blocks[req_id]]
+            for hit, skip in zip(hits, skipped, strict=True):
+                self.gpu_pool.touch(hit[skip:])
             if num_external:
                 for g, size in enumerate(sizes):
                     ids = self.req_to_blocks[req_id][g]
+                    window = self.config.window(g)
+                    if window is not None and num_local + num_external >= window and window < 2:
+                        continue  # the whole external range left the window: none allocated
                     n = max(0, math.ceil((num_local + num_external) / size) - len(ids))
                     ids.extend(b.block_id for b in self.gpu_pool.get_new_blocks(n))
         for g, size in enumerate(sizes):
@@ -274,6 +307,29 @@ class Engine:
             self.cache_blocks(req, min(computed + num_new, req.num_tokens))
         return True
 
+    def skipped_blocks(self, group: int, num_computed: int) -> int:
+        """Leading blocks of ``group`` no token after ``num_computed`` attends to (0 for
+        full attention)."""
+        window = self.config.window(group)
+        if window is None:
+            return 0
+        return skipped_blocks(num_computed, window, self.config.group_block_sizes[group])
+
+    def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
+        """Free the sliding-window blocks that left the window and put the null block in
+        their place (vLLM's ``remove_skipped_blocks``): from the last one back, stopping at a
+        null, freed in that order (hashed ones stay cached at the free queue's tail)."""
+        null = self.gpu_pool.null_block.block_id
+        for g, ids in enumerate(self.req_to_blocks[request_id]):
+            freed: list[int] = []
+            for i in range(min(self.skipped_blocks(g, num_computed), len(ids)) - 1, -1, -1):
+                if ids[i] == null:
+                    break
+                freed.append(ids[i])
+                ids[i] = null
+            if freed:
+                self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in freed])
+
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Register the keys of ``req``'s full blocks up to ``num_tokens``, and its prompt tail."""
         hbs = self.config.hash_block_size
@@ -283,9 +339,10 @@ class Engine:
             cached = self.num_cached_blocks[req.request_id]
             num_full = num_tokens // size
             if num_full > cached[g]:
-                self.cache_full_blocks(req, g, blocks, cached[g], num_full)
+                for start, end in self.reachable_runs(g, cached[g], num_full):
+                    self.cache_full_blocks(req, g, blocks, start, end)
                 cached[g] = num_full
-            if size == hbs:
+            if size == hbs or self.config.window(g) is not None:
                 continue
             # The prompt's last hash boundary, when it falls inside a block, is registered on
             # that block: as its primary while the block is partial, as a secondary key once
@@ -296,6 +353,24 @@ class Engine:
             index = boundary // size
             if index < len(blocks):
                 self.cache_prompt_tail(req, g, blocks[index], boundary)
+
+    def reachable_runs(self, group: int, start: int, end: int) -> list[tuple[int, int]]:
+        """The runs of blocks ``start <= i < end`` of ``group`` that get keys: every block
+        of a full-attention group; of a sliding-window group, those
+        :func:`~kvoffload.model.arith.reachable` names."""
+        window = self.config.window(group)
+        size = self.config.group_block_sizes[group]
+        runs: list[tuple[int, int]] = []
+        for i in range(start, end):
+            if window is not None and not reachable(
+                i, window, size, self.config.scheduler_block_size
+            ):
+                continue
+            if runs and runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], i + 1)
+            else:
+                runs.append((i, i + 1))
+        return runs
 
     def cache_full_blocks(
         self, req: Request, group: int, blocks: list[Block], start: int, end: int
@@ -326,6 +401,11 @@ class Engine:
         """Finish (or abort) a request: the connector first, then its GPU blocks."""
         req = self.requests[request_id]
         sizes = self.config.group_block_sizes
+        loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
+        if request_id in self.req_to_blocks and not loading:
+            # vLLM's scheduler frees the blocks that left the window before it hands the
+            # table to the connector (the flush recovers their keys from the free queue).
+            self.remove_skipped_blocks(request_id, req.num_computed_tokens)
         block_ids = tuple(
             ids[: math.ceil(req.num_computed_tokens / size)]
             for ids, size in zip(self.blocks_of(request_id), sizes, strict=True)
@@ -346,7 +426,6 @@ class Engine:
                 )
             )
         self.connector.dispositions.pop(request_id, None)
-        loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         if request_id in self.running:
             self.running.remove(request_id)
         if request_id in self.waiting:
@@ -361,9 +440,11 @@ class Engine:
         return flushed
 
     def _free_blocks(self, request_id: str) -> None:
+        null = self.gpu_pool.null_block.block_id
         for ids in self.req_to_blocks.pop(request_id, []):
-            # Tail blocks first, so that they are evicted first.
-            self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in reversed(ids)])
+            # Tail blocks first, so that they are evicted first; the nulls a sliding window
+            # left are no blocks of the request.
+            self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in reversed(ids) if i != null])
         self.num_cached_blocks.pop(request_id, None)
 
     # -- completions ------------------------------------------------------------------------

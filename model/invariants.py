@@ -17,7 +17,8 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
   transfers (queued, in flight, abandoned) and loads (pending, in flight, abandoned).
 - REF-CPU: a CPU block's ref count equals its holders: lookup pins, loads, and the store
   (queued, in flight, abandoned) it is the destination of.
-- KEYS: each cached full GPU block of a request carries that request's key for its position.
+- KEYS: each cached full GPU block of a request carries that request's key for its position
+  (a sliding-window block where no hit can end carries none).
 - SKIP: a selected GPU block is not null, is hashed, was not in flight and its key was not
   in the CPU map.
 - CAPACITY: a selection takes at most as many blocks as the CPU pool had free.
@@ -43,6 +44,11 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
   many as the CPU pool had free are taken; it takes nothing else.
 - LAZY-EVICT-FIRST: the GPU blocks of a completed lazy store that become free are the first
   blocks of the GPU free queue, in their store's order.
+- WINDOW: in a sliding-window group's table the null block is a prefix no longer than the
+  blocks wholly before the window of the request's computed tokens; a full-attention table
+  holds no null.
+- RECOVER: a store scan passes over a null position as null only when the GPU pool caches no
+  block under its key; otherwise it takes the cached block in its place.
 """
 
 from __future__ import annotations
@@ -142,7 +148,7 @@ def ref_gpu(state: Engine) -> Iterator[str]:
     holders: Counter[int] = Counter()
     for groups in state.req_to_blocks.values():
         for ids in groups:
-            holders.update(ids)
+            holders.update(i for i in ids if i != state.gpu_pool.null_block.block_id)
     for t in [*_stores(state), *_loads(state)]:
         holders.update(t.gpu_block_ids)
     for b in state.gpu_pool.blocks[1:]:
@@ -167,9 +173,13 @@ def keys(state: Engine) -> Iterator[str]:
         req = state.requests[req_id]
         for g, ids in enumerate(groups):
             expected = block_keys(req.digests, g, cfg.group_block_sizes[g], cfg.hash_block_size)
+            keyed = {
+                i for start, end in state.reachable_runs(g, 0, len(ids)) for i in range(start, end)
+            }
             for i in range(state.num_cached_blocks[req_id][g]):
                 b = state.gpu_pool.blocks[ids[i]]
-                if not b.is_null and b.block_hash != expected[i]:
+                want = expected[i] if i in keyed else None
+                if not b.is_null and b.block_hash != want:
                     yield (
                         f"gpu block {b.block_id} at {req_id} group {g} index {i} has key "
                         f"{b.block_hash}, expected {expected[i]}"
@@ -373,6 +383,31 @@ def lazy_evict_first(state: Engine) -> Iterator[str]:
             )
 
 
+def window(state: Engine) -> Iterator[str]:
+    null = state.gpu_pool.null_block.block_id
+    for req_id, groups in state.req_to_blocks.items():
+        computed = state.requests[req_id].num_computed_tokens
+        for g, ids in enumerate(groups):
+            nulls = next((i for i, block_id in enumerate(ids) if block_id != null), len(ids))
+            if null in ids[nulls:]:
+                yield f"{req_id} group {g} holds a null block after a real one: {ids}"
+            limit = state.skipped_blocks(g, computed)
+            if nulls > limit:
+                yield (
+                    f"{req_id} group {g} has {nulls} null blocks, but only {limit} are wholly "
+                    f"before the window of its {computed} computed tokens"
+                )
+
+
+def recover(state: Engine) -> Iterator[str]:
+    for r in state.connector.null_log:
+        if r.gpu_cached and r.recovered is None:
+            yield (
+                f"the store scan of {r.request_id} passed over group {r.group} position "
+                f"{r.index} as null while the GPU pool caches its key {r.key}"
+            )
+
+
 CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "POOL-QUEUE": pool_queue,
     "POOL-MAP": pool_map,
@@ -396,6 +431,8 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "NO-READ": no_read,
     "LAZY-SCAN": lazy_scan,
     "LAZY-EVICT-FIRST": lazy_evict_first,
+    "WINDOW": window,
+    "RECOVER": recover,
 }
 
 
@@ -444,6 +481,12 @@ def exercised(state: Engine) -> set[str]:
         "INTEGRITY": bool(cpu.damaged),
         "LAZY-SCAN": any(s.picks for s in c.lazy_scan_log),
         "LAZY-EVICT-FIRST": any(r.freed for r in c.lazy_return_log),
+        "WINDOW": any(
+            gpu.null_block.block_id in ids
+            for groups in state.req_to_blocks.values()
+            for ids in groups
+        ),
+        "RECOVER": bool(c.null_log),
         "NO-READ": any(
             r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
             for r in state.requests.values()

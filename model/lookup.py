@@ -1,12 +1,22 @@
-"""Longest prefix-cache hit across full-attention groups (vLLM's coordinator lookup).
+"""Longest prefix-cache hit across KV groups (vLLM's hybrid coordinator lookup).
 
-For each group, the block keys from ``num_computed_tokens`` on are looked up left to right
-and the scan stops at the first miss or after ``max_length`` tokens; each group's hit is
-aligned down to the scheduler block size; the hit of all groups together is the shortest
-of them, and every group keeps the blocks that cover it.
+Groups with the same kind, block size and window are looked up together (a position hits
+only when every one of them has its key cached); full-attention groups come first. Each
+kind finds its own hit below a candidate length:
 
-Invariant: the hit is a multiple of the scheduler block size and at most ``max_length``;
-each returned block is registered under the key of its position.
+- full attention scans its block keys from the start and stops at the first miss;
+- a sliding-window group scans from the candidate's end towards the start and stops at the
+  first run of ``ceil((window - 1) / block_size)`` cached blocks (all a token after the hit
+  attends to); the blocks before that run are the null block. A run that reaches the start
+  of the lookup is a hit however short.
+
+The candidate starts at ``max_length`` and every group may lower it; the groups are asked
+again until no group lowers it (once only with one full-attention and one other group, as
+vLLM's ``is_simple_hybrid``). Full-attention groups keep the blocks that cover the hit.
+
+Invariants: the hit is a multiple of the scheduler block size and at most ``max_length``;
+each returned non-null block is registered under the key of its position; a sliding-window
+group's blocks are nulls followed by a run of cached blocks that ends at the hit.
 """
 
 from __future__ import annotations
@@ -14,12 +24,75 @@ from __future__ import annotations
 from collections.abc import Container, Sequence
 from typing import TYPE_CHECKING
 
-from kvoffload.model.arith import hit_length
+from kvoffload.model.arith import align_down, window_run
 from kvoffload.model.block_pool import Block, BlockPool
-from kvoffload.model.keys import block_keys
+from kvoffload.model.keys import BlockKey, block_keys
 
 if TYPE_CHECKING:
     from kvoffload.model.config import OffloadConfig
+
+
+def _cached(
+    pool: BlockPool, keys: list[list[BlockKey]], i: int, skip: Container[int]
+) -> list[Block] | None:
+    """The blocks of position ``i`` in every group of a spec group, or None on a miss."""
+    found = [pool.get_one_block(group_keys[i], skip) for group_keys in keys]
+    return None if any(b is None for b in found) else [b for b in found if b is not None]
+
+
+def _full_attention_hit(
+    pool: BlockPool,
+    keys: list[list[BlockKey]],
+    block_size: int,
+    max_length: int,
+    alignment: int,
+    skip: Container[int],
+) -> tuple[list[list[Block]], int]:
+    """vLLM's ``FullAttentionManager.find_longest_cache_hit`` (block-aligned lookups)."""
+    blocks: list[list[Block]] = [[] for _ in keys]
+    for i in range(min(max_length // block_size, len(keys[0]))):
+        found = _cached(pool, keys, i, skip)
+        if found is None:
+            break
+        for group, block in zip(blocks, found, strict=True):
+            group.append(block)
+    hit = align_down(len(blocks[0]) * block_size, alignment)
+    return [group[: -(-hit // block_size)] for group in blocks], hit
+
+
+def _sliding_window_hit(
+    pool: BlockPool,
+    keys: list[list[BlockKey]],
+    block_size: int,
+    window: int,
+    max_length: int,
+    alignment: int,
+    skip: Container[int],
+) -> tuple[list[list[Block]], int]:
+    """vLLM's ``SlidingWindowManager.find_longest_cache_hit`` (no EAGLE)."""
+    need = window_run(window, block_size)
+    num_blocks = min(max_length // block_size, len(keys[0]))
+    blocks: list[list[Block]] = [[pool.null_block] * num_blocks for _ in keys]
+    run = 0
+    for i in range(num_blocks - 1, -1, -1):
+        found = _cached(pool, keys, i, skip)
+        if found is None:
+            run = 0
+            continue
+        # A run must end on an aligned boundary; a block that would end it elsewhere is
+        # passed over (without breaking a run: none has started).
+        if run == 0 and block_size != alignment and (i + 1) * block_size % alignment:
+            continue
+        for group, block in zip(blocks, found, strict=True):
+            group[i] = block
+        run += 1
+        if run >= need:
+            return [group[: i + run] for group in blocks], (i + run) * block_size
+    # No run of ``need`` blocks: the run that starts the lookup is the hit, aligned down.
+    blocks = [group[:run] for group in blocks]
+    while block_size != alignment and len(blocks[0]) * block_size % alignment:
+        blocks = [group[:-1] for group in blocks]
+    return blocks, len(blocks[0]) * block_size
 
 
 def find_longest_cache_hit(
@@ -32,18 +105,47 @@ def find_longest_cache_hit(
 ) -> tuple[tuple[list[Block], ...], int]:
     """The blocks of the longest hit after ``num_computed_tokens``, and its length; the
     blocks in ``skip`` are passed over as if they were not cached."""
-    hits: list[list[Block]] = []
-    for g, block_size in enumerate(config.group_block_sizes):
-        keys = block_keys(digests, g, block_size, config.hash_block_size)
-        start = num_computed_tokens // block_size
-        found: list[Block] = []
-        for key in keys[start : start + max_length // block_size]:
-            block = pool.get_one_block(key, skip)
-            if block is None:
-                break
-            found.append(block)
-        hits.append(found)
-    sizes = list(config.group_block_sizes)
-    hit = hit_length([len(f) for f in hits], sizes, config.scheduler_block_size, max(max_length, 0))
-    blocks = tuple(found[: hit // size] for found, size in zip(hits, sizes, strict=True))
-    return blocks, hit
+    sizes = config.group_block_sizes
+    alignment = config.scheduler_block_size
+    # Spec groups: (window, block size) -> group ids, full attention first.
+    specs: dict[tuple[int | None, int], list[int]] = {}
+    for g, size in enumerate(sizes):
+        specs.setdefault((config.window(g), size), []).append(g)
+    order = sorted(specs, key=lambda spec: spec[0] is not None)
+    keys = {
+        g: block_keys(digests, g, size, config.hash_block_size)[num_computed_tokens // size :]
+        for g, size in enumerate(sizes)
+    }
+    result: dict[int, list[Block]] = {g: [] for g in range(len(sizes))}
+    full_hits: dict[tuple[int | None, int], int] = {}
+    simple = len(order) == 2 and order[0][0] is None
+    hit = max(max_length, 0)
+    while True:
+        candidate = hit
+        for spec in order:
+            window, size = spec
+            if window is None and spec in full_hits:
+                # Full attention is downward-closed: one lookup, trimmed later.
+                candidate = min(candidate, full_hits[spec])
+                continue
+            group_keys = [keys[g] for g in specs[spec]]
+            if window is None:
+                found, candidate = _full_attention_hit(
+                    pool, group_keys, size, candidate, alignment, skip
+                )
+                full_hits[spec] = candidate
+            else:
+                found, candidate = _sliding_window_hit(
+                    pool, group_keys, size, window, candidate, alignment, skip
+                )
+            for g, blocks in zip(specs[spec], found, strict=True):
+                result[g] = blocks
+        if candidate >= hit:
+            break
+        hit = candidate
+        if simple:
+            break
+    for g, size in enumerate(sizes):
+        if config.window(g) is None:
+            result[g] = result[g][: -(-hit // size)]
+    return tuple(result[g] for g in range(len(sizes))), hit

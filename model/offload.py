@@ -36,6 +36,9 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
   pool's free blocks are all taken.
 - LAZY-EVICT-FIRST: the GPU blocks of a completed lazy store that become free are the first
   of the free queue, in their store's order.
+- RECOVER: a null position (a sliding window's freed block) that a store scan reaches is
+  passed over as null only when the GPU pool caches no block under its key; otherwise the
+  block cached there is what the scan considers.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.model.arith import lookup_limit, plan_selection, ready_blocks
 from kvoffload.model.block_pool import Block, BlockPool
-from kvoffload.model.keys import BlockKey
+from kvoffload.model.keys import BlockKey, block_keys
 from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.types import NO_EVENT, ConnectorMetadata
 
@@ -152,6 +155,19 @@ class LazyReturnRecord:
 
 
 @dataclass(frozen=True)
+class NullRecord:
+    """A null position a store scan reached: its key, whether the GPU pool cached that key
+    then, and the block recovered for it (None when none was)."""
+
+    request_id: str
+    group: int
+    index: int
+    key: BlockKey | None
+    gpu_cached: bool
+    recovered: int | None
+
+
+@dataclass(frozen=True)
 class ResetRecord:
     returned: bool
     abandoned: bool
@@ -202,6 +218,7 @@ class OffloadScheduler:
         self.reset_log: list[ResetRecord] = []
         self.lazy_scan_log: list[LazyScanRecord] = []
         self.lazy_return_log: list[LazyReturnRecord] = []
+        self.null_log: list[NullRecord] = []
 
     # -- lookup and load ------------------------------------------------------------------
 
@@ -448,7 +465,7 @@ class OffloadScheduler:
         num_free = self.cpu_pool.num_free_blocks
         candidates = [
             [
-                (i, self.gpu_pool.blocks[ids[i]])
+                (i, self._scan_block(request, g, i, ids[i]))
                 for i in range(
                     state.num_stored_blocks[g],
                     ready_blocks(request.num_computed_tokens, self.block_size, size, len(ids)),
@@ -476,6 +493,33 @@ class OffloadScheduler:
             SelectionRecord(request.request_id, final_flush, num_free, tuple(observed))
         )
         return selected, advanced
+
+    def _scan_block(self, request: Request, group: int, index: int, block_id: int) -> Block:
+        """The GPU block the scan considers at a position of a table: the table's, or, where
+        a sliding window left the null block, the block the GPU prefix cache still holds
+        under the position's key (vLLM 0.30.0: the retained tail the window freed)."""
+        block = self.gpu_pool.blocks[block_id]
+        if not block.is_null:
+            return block
+        size = self.group_block_sizes[group]
+        keys = block_keys(request.digests, group, size, self.hash_block_size)
+        key = keys[index] if index < len(keys) else None
+        recovered = None if key is None else self.recover_null_block(key)
+        self.null_log.append(
+            NullRecord(
+                request.request_id,
+                group,
+                index,
+                key,
+                key is not None and key in self.gpu_pool.cached,
+                None if recovered is None else recovered.block_id,
+            )
+        )
+        return block if recovered is None else recovered
+
+    def recover_null_block(self, key: BlockKey) -> Block | None:
+        """The GPU block cached under ``key``, if any."""
+        return self.gpu_pool.get_one_block(key)
 
     def plan(
         self, storable: list[list[bool]], num_free: int
@@ -713,5 +757,6 @@ class OffloadScheduler:
         self.reset_log.clear()
         self.lazy_scan_log.clear()
         self.lazy_return_log.clear()
+        self.null_log.clear()
         self.cpu_pool.allocation_log.clear()
         self.gpu_pool.allocation_log.clear()

@@ -47,12 +47,13 @@ def require_tokens(tokens: Sequence[int]) -> tuple[int, ...]:
 def require_request_fits(
     config: OffloadConfig, request_id: object, tokens: Sequence[int], max_tokens: int
 ) -> None:
-    """As vLLM's max_model_len check: a request must fit in the GPU pool on its own. The
-    last sampled token is never computed, so it needs no slot."""
+    """As vLLM's max_model_len check: a request must fit in the GPU pool on its own
+    (:meth:`~kvoffload.model.config.OffloadConfig.blocks_for`). The last sampled token is
+    never computed, so it needs no slot."""
     if not isinstance(request_id, str) or not request_id:
         raise InvalidArgumentError(f"request id must be a non-empty str, got {request_id!r}")
     require_int("max_tokens", max_tokens, 1)
-    need = sum(-(-(len(tokens) + max_tokens - 1) // size) for size in config.group_block_sizes)
+    need = config.blocks_for(len(tokens) + max_tokens - 1)
     if need > config.gpu_blocks - 1:
         raise InvalidArgumentError(
             f"request {request_id!r} needs {need} GPU blocks for {len(tokens)} prompt and "

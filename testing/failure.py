@@ -56,9 +56,10 @@ CONFIG_FIELDS = (
     "hash_block_size",
     "world_size",
     "lazy",
+    "sliding_windows",
 )
 # Fields a failure file may leave out (written before they existed), with their value then.
-CONFIG_DEFAULTS: dict[str, Any] = {"lazy": False}
+CONFIG_DEFAULTS: dict[str, Any] = {"lazy": False, "sliding_windows": []}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")
@@ -181,7 +182,10 @@ def _plain(value: object) -> object:
 
 
 def _literal(value: object) -> str:
-    """``repr`` of a validated value: bools, ints, strings, lists and tuples of them only."""
+    """``repr`` of a validated value: None, bools, ints, strings, lists and tuples of them
+    only."""
+    if value is None:
+        return "None"
     if not isinstance(value, (bool, int, str, list, tuple)):
         raise FailureFileError(f"not a literal value: {type(value).__name__}")
     if isinstance(value, (list, tuple)):
@@ -283,6 +287,12 @@ def _check_config(config: object) -> OffloadConfig:
             _expect(
                 isinstance(config[name], bool), f"config lazy must be a bool, got {config[name]!r}"
             )
+        elif name == "sliding_windows":
+            windows = config[name]
+            _expect(
+                isinstance(windows, list) and all(w is None or _is_int(w) for w in windows),
+                f"config sliding_windows must be a list of ints or nulls, got {windows!r}",
+            )
         elif name != "group_block_sizes":
             _expect(_is_int(config[name]), f"config {name} must be an int, got {config[name]!r}")
     try:
@@ -293,6 +303,7 @@ def _check_config(config: object) -> OffloadConfig:
             config["hash_block_size"],
             config["world_size"],
             config["lazy"],
+            tuple(config["sliding_windows"]),
         )
     except ConfigError as error:
         raise FailureFileError(f"config is not valid: {error}") from None

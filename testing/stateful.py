@@ -38,7 +38,18 @@ from kvoffload.testing.adapters import (
 from kvoffload.testing.failure import Failure, validate
 from kvoffload.testing.lockstep import Call, as_outcome, compare
 
-LAYOUTS = [((4,), 4), ((4,), 2), ((8,), 4), ((4, 8), 4)]
+# (group block sizes, hash block size, sliding windows): full attention, then hybrid layouts
+# with one sliding-window group whose window the prompts slide past. In the second, the
+# window's run (one block) is shorter than a scheduler block (two), so only every other
+# block of that group gets a key.
+LAYOUTS: list[tuple[tuple[int, ...], int, tuple[int | None, ...]]] = [
+    ((4,), 4, ()),
+    ((4,), 2, ()),
+    ((8,), 4, ()),
+    ((4, 8), 4, ()),
+    ((4, 4), 4, (None, 6)),
+    ((8, 4), 4, (None, 3)),
+]
 
 
 # Prompts from three stems, so that prefixes are shared, with up to two tokens after the
@@ -111,15 +122,17 @@ class ConformanceMachine(RuleBasedStateMachine):
     @SETUP
     def setup(
         self,
-        layout: tuple[tuple[int, ...], int],
+        layout: tuple[tuple[int, ...], int, tuple[int | None, ...]],
         gpu_blocks: int,
         cpu_blocks: int,
         world_size: int,
         first: list[int],
         lazy: bool,
     ) -> None:
-        groups, hbs = layout
-        self.config = OffloadConfig(gpu_blocks, cpu_blocks, groups, hbs, world_size, lazy)
+        groups, hbs, windows = layout
+        self.config = OffloadConfig(
+            gpu_blocks, cpu_blocks, groups, hbs, world_size, lazy, sliding_windows=windows
+        )
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
         assume(unsupported(type(self).adapter_name, self.config) is None)
         # A variant with a bug breaks invariants by design: it is compared, not checked.
@@ -178,8 +191,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             close()
 
     def fits(self, tokens: list[int], max_tokens: int) -> bool:
-        need = sum(-(-(len(tokens) + max_tokens - 1) // s) for s in self.config.group_block_sizes)
-        return need < self.config.gpu_blocks
+        return self.config.blocks_for(len(tokens) + max_tokens - 1) < self.config.gpu_blocks
 
     @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS, skip=SKIP_READING)
     def add_request(self, tokens: list[int], max_tokens: int, skip: bool) -> None:

@@ -12,6 +12,7 @@ def config(
     hash_block_size: int | None = None,
     world_size: int = 1,
     lazy: bool = False,
+    sliding_windows: tuple[int | None, ...] = (),
 ) -> OffloadConfig:
     """A configuration; the hash block size defaults to the smallest group block size."""
     return OffloadConfig(
@@ -21,6 +22,7 @@ def config(
         hash_block_size or min(group_block_sizes),
         world_size,
         lazy,
+        sliding_windows,
     )
 
 

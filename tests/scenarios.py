@@ -267,4 +267,43 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
         cfg(),
         [("add", "a", P40, 4), ("step", 64), ("add", "b", P40, 1, True), ("step", 64)],
     ),
+    # A sliding-window group (window 3, blocks of 4) beside full attention (blocks of 8):
+    # one 10-token step computes both window blocks, the next allocation frees the first
+    # (it left the window) and the scan, reading the confirmed blocks, stores it from the GPU
+    # prefix cache where it is still cached (found by the machine: S14's class).
+    "window-block-recovered": (
+        cfg(6, 3, (8, 4), 4, sliding_windows=(None, 3)),
+        [("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2], 1), ("step", 10)],
+    ),
+    # The same layout: the window group's first block gets no key (no hit can end on it), and
+    # the scan passes over it to store the second (found by the machine: S3's class).
+    "window-scan-passes-unkeyed": (
+        cfg(5, 12, (8, 4), 4, sliding_windows=(None, 3)),
+        [("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2), ("step", 8), ("step", 8)],
+    ),
+    # A window of 6 over blocks of 4 (a hit needs two window blocks): a prompt stored to
+    # the CPU, evicted from the GPU by another (computed in chunks: the window frees its
+    # blocks as it goes), comes back and loads the full-attention blocks and the window's
+    # last two, with nulls before them.
+    "window-hit-loads-run": (
+        cfg(12, 16, (4, 4), 4, sliding_windows=(None, 6)),
+        [
+            ("add", "a", prompt(16), 1),
+            ("step", 16),
+            ("step", 0),
+            ("drain",),
+            ("add", "b", prompt(24, 3), 1),
+            ("step", 8),
+            ("step", 8),
+            ("step", 8),
+            ("step", 0),
+            ("drain",),
+            ("add", "c", [*prompt(16), 1], 1),
+            ("step", 32),
+            ("drain",),
+            ("step", 32),
+            ("drain",),
+            ("step", 32),
+        ],
+    ),
 }

@@ -33,6 +33,8 @@ FAULT_SCENARIO = {
     "serves-skip-reading": "skip-reading-after-eviction",
     "lazy-returns-to-tail": "lazy-store-return-and-load",
     "lazy-stale-cursor": "lazy-scan-after-cpu-eviction",
+    "window-tail-not-recovered": "window-block-recovered",
+    "window-scan-breaks": "window-scan-passes-unkeyed",
 }
 
 

@@ -17,6 +17,7 @@ from kvoffload.model.offload import (
     CompletionRecord,
     LazyReturnRecord,
     LazyScanRecord,
+    NullRecord,
     PickRecord,
     ResetRecord,
     SelectionRecord,
@@ -143,6 +144,12 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     # a lazily stored block freed behind another one
     "LAZY-EVICT-FIRST": lambda m: m.engine.connector.lazy_return_log.append(
         LazyReturnRecord((5,), (1, 5))
+    ),
+    # a null at the start of a full-attention table (c's first block dropped from it)
+    "WINDOW": lambda m: m.engine.req_to_blocks["c"][0].__setitem__(0, 0),
+    # a scan that passed over a null position whose key the GPU pool still caches
+    "RECOVER": lambda m: m.engine.connector.null_log.append(
+        NullRecord("c", 0, 0, next(iter(m.engine.gpu_pool.cached)), True, None)
     ),
 }
 

@@ -15,7 +15,19 @@ from hypothesis.stateful import (
 
 from kvoffload.model import OffloadConfig, OffloadModel
 
-LAYOUTS = [((4,), 4), ((4,), 2), ((8,), 4), ((4, 8), 4), ((4, 8), 2)]
+# (group block sizes, hash block size, sliding windows); the last three are hybrid: a
+# sliding-window group beside a full-attention one, its window's run shorter than, equal to
+# or longer than a scheduler block.
+LAYOUTS: list[tuple[tuple[int, ...], int, tuple[int | None, ...]]] = [
+    ((4,), 4, ()),
+    ((4,), 2, ()),
+    ((8,), 4, ()),
+    ((4, 8), 4, ()),
+    ((4, 8), 2, ()),
+    ((8, 4), 4, (None, 3)),
+    ((4, 4), 4, (None, 6)),
+    ((4, 8, 4), 4, (None, 9, 7)),
+]
 
 # Three shared stems, so prefixes repeat across requests.
 PROMPTS = st.builds(
@@ -38,14 +50,16 @@ class ModelMachine(RuleBasedStateMachine):
     )
     def setup(
         self,
-        layout: tuple[tuple[int, ...], int],
+        layout: tuple[tuple[int, ...], int, tuple[int | None, ...]],
         gpu_blocks: int,
         cpu_blocks: int,
         world_size: int,
         initial: list[list[int]],
     ) -> None:
-        groups, hbs = layout
-        config = OffloadConfig(gpu_blocks, cpu_blocks, groups, hbs, world_size)
+        groups, hbs, windows = layout
+        config = OffloadConfig(
+            gpu_blocks, cpu_blocks, groups, hbs, world_size, sliding_windows=windows
+        )
         self.model = OffloadModel(config, check=True)
         self.next_id = 0
         for tokens in initial:
@@ -55,8 +69,7 @@ class ModelMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.model.live_requests()) < 3)
     @rule(tokens=PROMPTS, max_tokens=st.integers(1, 4))
     def add_request(self, tokens: list[int], max_tokens: int) -> None:
-        sizes = self.model.config.group_block_sizes
-        need = sum(-(-(len(tokens) + max_tokens - 1) // size) for size in sizes)
+        need = self.model.config.blocks_for(len(tokens) + max_tokens - 1)
         if need >= self.model.config.gpu_blocks:
             event("request too large for the GPU pool")
             return

@@ -96,6 +96,7 @@ class VllmGpuPool:
         self.pool = pool
         self.keys = keys
         self.blocks = pool.blocks
+        self.null_block = pool.null_block
 
     @property
     def num_free_blocks(self) -> int:
