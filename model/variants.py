@@ -17,10 +17,13 @@ breaks:
 - ``serves-skip-reading``: vLLM <= 0.29.0 (PR #54998, in 0.30.0): the connector serves a CPU
   hit to a request that skips reading the prefix cache (prompt logprobs), which vLLM's own
   prefix cache never serves. Caught by NO-READ (S12 of ``docs/history.md``).
+- ``window-no-recover``: vLLM <= 0.29.0 (S14): the store scan passes over the null block a
+  sliding window leaves, though the block that left the window is still cached in the GPU
+  free queue (0.30.0 stores it from there). Caught by RECOVER.
 - ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``bug-53498-primary-only`` and
-  ``bug-53498-no-final-flush``), ``serves-skip-reading``, and its selection loop, whose
-  cursors also pass over blocks that need no store while the CPU pool is full
-  (``SharedBudgetScheduler``).
+  ``bug-53498-no-final-flush``), ``serves-skip-reading``, ``window-no-recover``, and its
+  selection loop, whose cursors also pass over blocks that need no store while the CPU pool
+  is full (``SharedBudgetScheduler``).
 
 Older releases had more bugs, fixed before #53532 (``docs/history.md``):
 
@@ -67,6 +70,7 @@ import functools
 from kvoffload.model.block_pool import AppendingBlockPool, Block, BlockPool
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.engine import Request, SchedulerOutput
+from kvoffload.model.keys import BlockKey
 from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.offload import OffloadScheduler, PendingHit, Transfer
 from kvoffload.model.types import ConnectorMetadata
@@ -231,6 +235,16 @@ class LazyTailScheduler(OffloadScheduler):
         self.gpu_pool.free_blocks(gpu_blocks)
 
 
+class WindowNoRecoverScheduler(OffloadScheduler):
+    """vLLM <= 0.29.0 (S14; 0.30.0 recovers with ``_cached_gpu_block``): the eager scan and
+    the final flush pass over the null block a sliding window leaves in a table, so the
+    blocks that left the window, though still cached in the GPU free queue, are never
+    stored from there. Caught by RECOVER."""
+
+    def recover_null_block(self, key: BlockKey) -> Block | None:
+        return None
+
+
 class AppendingPoolScheduler(OffloadScheduler):
     """vLLM before 0.24.0: both pools free every block to the tail of their queue
     (:class:`~kvoffload.model.block_pool.AppendingBlockPool`)."""
@@ -296,6 +310,7 @@ _VLLM_029 = (
     NoFinalFlushScheduler,
     ServesSkipReadingScheduler,
     SharedBudgetScheduler,
+    WindowNoRecoverScheduler,
 )
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
@@ -313,6 +328,7 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
         {},
     ),
     "selection-0.29": SharedBudgetScheduler,
+    "window-no-recover": WindowNoRecoverScheduler,
     "lazy-cursor": LazyCursorScheduler,
     "lazy-tail": LazyTailScheduler,
     "lazy-0.33": type("Lazy033Scheduler", (LazyCursorScheduler, LazyTailScheduler), {}),

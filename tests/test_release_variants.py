@@ -107,12 +107,13 @@ def test_variants_compose() -> None:
         ("serves-skip-reading", "skip-reading-after-eviction", "NO-READ"),
         ("lazy-cursor", "lazy-scan-after-cpu-eviction", "LAZY-SCAN"),
         ("lazy-tail", "lazy-store-return-and-load", "LAZY-EVICT-FIRST"),
+        ("window-no-recover", "window-block-recovered", "RECOVER"),
     ],
 )
 def test_the_later_bugs_break_the_invariant_their_variant_names(
     variant: str, scenario: str, invariant: str
 ) -> None:
-    """The variants of S12, S27 and S26, with every invariant checked after every call: the
+    """The variants of S12, S27, S26 and S14, with every invariant checked after every call: the
     fixed model runs the scenario clean, the variant breaks the invariant its docstring
     names."""
     config, program = SCENARIOS[scenario]

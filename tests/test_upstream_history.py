@@ -185,6 +185,20 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
     "S10": (SMALL, [("add", "r0", [0, 1, 2, 3], 2), ("step", 8), ("step", 8)]),
     # r0 stored while it decodes, then asked for by a request that skips reading the cache
     "S12": _scenario("skip-reading-stored-prompt"),
+    # r1 repeats r0's prompt: its window hit starts with the null of a block that left the
+    # window; 0.30.0 takes that block back from the GPU prefix cache (the CPU pool, of one
+    # block, is full, so the window group's cursor stays on it), 0.29.0 passes over it
+    "S14": (
+        (7, 2, (4, 4), 4, 1, False, (None, 3)),
+        [
+            ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
+            ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0, 0], 1),
+            ("step", 8),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+        ],
+    ),
     # a reset while a hit waits pinned
     "S21": (
         LARGE,

@@ -54,6 +54,7 @@ class HistoricalBug:
 _S10 = "bug-53498-primary-only"
 _S9 = "bug-53498-no-final-flush"
 _S12 = "serves-skip-reading"
+_S14 = "window-no-recover"
 # vLLM 0.30.0 to 0.33.0's lazy mode (S26 and S27), which every fixed model of them includes.
 _LAZY = "lazy-0.33"
 BUGS: list[HistoricalBug] = [
@@ -135,11 +136,11 @@ BUGS: list[HistoricalBug] = [
         "no final flush at request finish",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S12}+selection-0.29",
+        f"{_S10}+{_S12}+{_S14}+selection-0.29",
         _LAZY,
         "pending_flushes",
-        "0.29.0's registration (S10), CPU hits for requests that skip reading (S12) and "
-        "selection loop modelled",
+        "0.29.0's registration (S10), CPU hits for requests that skip reading (S12), "
+        "window scan (S14) and selection loop modelled",
     ),
     HistoricalBug(
         "S10",
@@ -147,11 +148,11 @@ BUGS: list[HistoricalBug] = [
         "stores registered without _insert_block_hash: stamped primary, no secondary keys",
         "0.29.0",
         "0.30.0",
-        f"{_S9}+{_S12}+selection-0.29",
+        f"{_S9}+{_S12}+{_S14}+selection-0.29",
         _LAZY,
         "snapshots differ in ['cpu']",
-        "0.29.0's missing final flush (S9), CPU hits for requests that skip reading (S12) "
-        "and selection loop modelled",
+        "0.29.0's missing final flush (S9), CPU hits for requests that skip reading (S12), "
+        "window scan (S14) and selection loop modelled",
     ),
     HistoricalBug(
         "S11",
@@ -167,10 +168,11 @@ BUGS: list[HistoricalBug] = [
         "skip_reading_prefix_cache not respected: a CPU hit served to a prompt-logprobs request",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S9}+selection-0.29",
+        f"{_S10}+{_S9}+{_S14}+selection-0.29",
         _LAZY,
         "'loads'",
-        "0.29.0's registration (S10), missing final flush (S9) and selection loop modelled",
+        "0.29.0's registration (S10), missing final flush (S9), window scan (S14) and "
+        "selection loop modelled",
     ),
     HistoricalBug(
         "S13",
@@ -183,10 +185,14 @@ BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S14",
         "PR ?",
-        "sliding-window retained tail nulled in the block table",
+        "sliding-window retained tail nulled in the block table, never stored",
         "0.29.0",
         "0.30.0",
-        out_of_reach="sliding-window groups",
+        f"{_S10}+{_S9}+{_S12}+selection-0.29",
+        _LAZY,
+        "tracked",
+        "0.29.0's registration (S10), missing final flush (S9), CPU hits for requests that "
+        "skip reading (S12) and selection loop modelled",
     ),
     HistoricalBug(
         "S15",

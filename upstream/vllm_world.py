@@ -68,11 +68,10 @@ def supported(config: OffloadConfig) -> str | None:
         # config's block size, which its coordinator asserts every group divides; before
         # 0.24.0 no block held a key of a prefix shorter than itself (cache_partial_block).
         return "before vLLM 0.24.0 every group's block size is the hash block size"
-    if config.sliding_windows and (0, 0, 0) < version_numbers() < (0, 30, 0):
-        # Up to 0.29.0 the eager scan stopped at (or, before 0.22.0, broke on) the null
-        # block a sliding window leaves, so the retained tail was never stored (S14), and
-        # hybrid lookups differed: not modelled yet.
-        return "sliding-window groups are modelled from vLLM 0.30.0 on"
+    if config.sliding_windows and (0, 0, 0) < version_numbers() < (0, 24, 0):
+        # Before 0.22.0 the eager scan broke on an unkeyed window position (S3), and before
+        # 0.24.0 every group hashed whole blocks: not modelled.
+        return "sliding-window groups are modelled from vLLM 0.24.0 on"
     if config.lazy and (0, 0, 0) < version_numbers() < (0, 30, 0):
         # Up to 0.29.0 the lazy scan also stamped the CPU blocks it reserved (S10's bug in
         # lazy mode), and before it differed again: not modelled.
