@@ -240,10 +240,15 @@ def mutation_table(results: list[CampaignResult]) -> str:
 def coverage(rec: Recorder) -> str:
     rules = ", ".join(f"{name} {n}" for name, n in sorted(rec.rules.items()))
     invariants = ", ".join(f"{name} {rec.invariants.get(name, 0)}" for name in CHECKS)
+    speeds = ", ".join(
+        f"{layout} {programs:.1f} ({calls:.0f} calls/s, {rec.layout_programs[layout]} programs)"
+        for layout, (programs, calls) in rec.speeds().items()
+    )
     return (
         f"{rec.programs} programs, {rec.rule_steps} steps ({rec.steps} driver calls)\n"
         f"rules: {rules}\n"
-        f"invariants exercised (steps with something to check): {invariants}"
+        f"invariants exercised (steps with something to check): {invariants}\n"
+        f"programs per second by layout: {speeds or '-'}"
     )
 
 

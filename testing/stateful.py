@@ -103,9 +103,30 @@ class Recorder:
     first_failure: float | None = None
     first_failing_program: int | None = None  # 1 when the very first program failed
     failure: dict[str, Any] | None = None
+    # per kind of layout ("full attention", "hybrid"): programs run, their driver calls and
+    # the seconds spent in them
+    layout_programs: dict[str, int] = field(default_factory=dict)
+    layout_calls: dict[str, int] = field(default_factory=dict)
+    layout_seconds: dict[str, float] = field(default_factory=dict)
 
     def count(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1
+
+    def timed(self, layout: str, calls: int, seconds: float) -> None:
+        """One program of ``layout``'s kind made ``calls`` driver calls in ``seconds``, setup
+        to teardown."""
+        self.count(self.layout_programs, layout)
+        self.layout_calls[layout] = self.layout_calls.get(layout, 0) + calls
+        self.layout_seconds[layout] = self.layout_seconds.get(layout, 0.0) + seconds
+
+    def speeds(self) -> dict[str, tuple[float, float]]:
+        """Per kind of layout, programs and driver calls per second of the time spent in
+        them."""
+        return {
+            layout: (n / seconds, self.layout_calls[layout] / seconds)
+            for layout, n in sorted(self.layout_programs.items())
+            if (seconds := self.layout_seconds.get(layout, 0.0)) > 0
+        }
 
 
 class ConformanceMachine(RuleBasedStateMachine):
@@ -132,6 +153,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         first: list[int],
         lazy: bool,
     ) -> None:
+        started = time.perf_counter()
         groups, hbs, windows = layout
         self.config = OffloadConfig(
             gpu_blocks, cpu_blocks, groups, hbs, world_size, lazy, sliding_windows=windows
@@ -151,6 +173,8 @@ class ConformanceMachine(RuleBasedStateMachine):
                 f"{as_outcome(error)}"
             ) from error
         self.program: list[Call] = []
+        self.started = started
+        self.layout_kind = "hybrid" if windows else "full attention"
         self.next_id = 0
         self.prompts: list[list[int]] = []
         self.rule_steps = 0
@@ -192,6 +216,10 @@ class ConformanceMachine(RuleBasedStateMachine):
         close = getattr(getattr(self, "target", None), "close", None)
         if close is not None:
             close()
+        if hasattr(self, "layout_kind"):  # a program whose setup ran
+            type(self).recorder.timed(
+                self.layout_kind, len(self.program), time.perf_counter() - self.started
+            )
 
     def fits(self, tokens: list[int], max_tokens: int) -> bool:
         return self.config.blocks_for(len(tokens) + max_tokens - 1) < self.config.gpu_blocks

@@ -6,7 +6,7 @@ comparing the model and an implementation after every call leaves."""
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hypothesis import HealthCheck, settings
@@ -123,6 +123,8 @@ class Throughput:
     trivial_steps: int
     trivial_s: float
     lockstep_calls: int
+    # the conformance machine's programs by kind of layout: programs, driver calls, seconds
+    layouts: dict[str, tuple[int, int, float]] = field(default_factory=dict)
 
     @property
     def lockstep_rate(self) -> float:
@@ -165,6 +167,10 @@ def measure(examples: int = 100, adapter: str = "impl", rounds: int = 2) -> Thro
             TrivialMachine.steps,
             trivial_s,
             recorder.steps,
+            {
+                layout: (n, recorder.layout_calls[layout], recorder.layout_seconds[layout])
+                for layout, n in sorted(recorder.layout_programs.items())
+            },
         )
         if best is None or run.ratio > best.ratio:
             best = run
@@ -201,6 +207,18 @@ def report(result: Throughput, adapter: str = "impl") -> tuple[list[str], list[s
         f"The conformance machine made {result.lockstep_calls} driver calls, "
         f"{result.lockstep_calls / result.lockstep_steps:.1f} per rule (`step` and `settle` "
         "make several).",
+        "",
+        "Its programs by kind of layout (full-attention groups only, or a sliding-window group "
+        "beside a full-attention one), each timed from its setup to its teardown:",
+        "",
+        "| layout | programs | driver calls | seconds | programs/s | calls/s |",
+        "|---|---|---|---|---|---|",
+        *(
+            f"| {layout} | {n} | {calls} | {seconds:.2f} | {n / seconds:.1f} "
+            f"| {calls / seconds:.0f} |"
+            for layout, (n, calls, seconds) in result.layouts.items()
+            if seconds > 0
+        ),
         "",
     ]
     return summary, section
