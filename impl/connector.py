@@ -18,21 +18,27 @@ from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from kvoffload.impl.pool import NULL, Pool
+from kvoffload.impl.pool import NULL, Pool, block_key
 from kvoffload.model.arith import window_run
-from kvoffload.model.types import NO_EVENT, ConnectorMetadata
+from kvoffload.model.types import NO_EVENT, STORED, ConnectorMetadata, KVEvent
 
 if TYPE_CHECKING:
     from kvoffload.impl.engine import ImplRequest
     from kvoffload.model.config import OffloadConfig
 
 
+# What a store captured for a key's ``stored`` event: (parent digest, token ids, block size).
+Meta = tuple[str | None, tuple[int, ...], int]
+
+
 @dataclass
 class Copy:
-    """Paired GPU and CPU block ids of one transfer."""
+    """Paired GPU and CPU block ids of one transfer; with kv-cache events, what each stored
+    block's keys covered when it was selected (None: nothing captured)."""
 
     gpu: list[int]
     cpu: list[int]
+    meta: list[dict[str, Meta]] | None = None
 
 
 @dataclass
@@ -86,6 +92,8 @@ class Connector:
         self.windows = [config.window(g) for g in range(len(self.sizes))]
         self.gpu = gpu
         self.cpu = Pool(config.cpu_blocks, "cpu")
+        if config.kv_events:
+            self.cpu.events = []
         self.workers = config.world_size
         self.loads: dict[str, Load] = {}
         self.abandoned_loads: dict[str, Load] = {}
@@ -334,6 +342,10 @@ class Connector:
         gpu: list[int] = []
         cpu: list[int] = []
         reqs: list[str] = []
+        # what eager stores captured for their kv-cache events (lazy ones capture nothing)
+        meta: list[dict[str, Meta]] | None = (
+            [] if self.cpu.events is not None and not self.lazy else None
+        )
         if self.lazy:
             gpu = self.select_lazy()
             cpu = self.reserve(gpu)
@@ -348,6 +360,8 @@ class Connector:
                 continue
             picked, advanced, _ = self.select(tracker, tracker.tables)
             if picked:
+                if meta is not None:
+                    meta += self.meta_of(tracker, tracker.tables, picked)
                 gpu += picked
                 cpu += self.reserve(picked)
                 reqs.append(rid)
@@ -358,12 +372,14 @@ class Connector:
         for flush in self.flushes:
             gpu += flush.gpu
             cpu += flush.cpu
+            if meta is not None and flush.meta is not None:
+                meta += flush.meta
         self.flushes = []
         store_event = NO_EVENT
         if gpu:
             store_event = self.next_store_event
             self.next_store_event += 1
-            self.stores[store_event] = Copy(gpu, cpu)
+            self.stores[store_event] = Copy(gpu, cpu, meta)
             if reqs:
                 self.store_reqs[store_event] = reqs
                 for rid in reqs:
@@ -451,21 +467,67 @@ class Connector:
             return picked, advanced, True
         return picked, advanced, False
 
+    def meta_of(
+        self, tracker: Tracker, tables: tuple[list[int], ...], picked: list[int]
+    ) -> list[dict[str, Meta]]:
+        """For each picked block, what its position covers in the request, under the
+        block's primary and the request's fine-grained keys inside it (vLLM's
+        ``BlockStoreMeta``); positions found again from the cursors, as ``select`` saw them."""
+        request = tracker.request
+        confirmed = request.num_computed_tokens // self.align * self.align
+        where: dict[int, tuple[int, int]] = {}
+        for g, table in enumerate(tables):
+            start = tracker.cursors[g]
+            window = table[start : min(len(table), confirmed // self.sizes[g])]
+            if self.windows[g] is not None:
+                window = self.window_of(request, g, start, window)
+            for i, block in enumerate(window):
+                where.setdefault(block, (g, start + i))
+        return [self.block_meta(request, *where[block], block) for block in picked]
+
+    def block_meta(
+        self, request: ImplRequest, group: int, index: int, block: int
+    ) -> dict[str, Meta]:
+        size, hbs = self.sizes[group], self.hbs
+        per = size // hbs
+        digests, tokens = request.digests, request.tokens
+        start = index * size
+        primary = self.gpu.key[block]
+        assert primary is not None, f"selected gpu block {block} has no key"
+        parent = None if index == 0 else digests[index * per - 1]
+        meta = {primary: (parent, tuple(tokens[start : start + size]), size)}
+        for j in range(start // hbs, (start + size) // hbs):
+            key = request.fine_key(j, group)
+            if key != primary:
+                before = None if j == 0 else digests[j - 1]
+                meta[key] = (before, tuple(tokens[j * hbs : (j + 1) * hbs]), hbs)
+        return meta
+
     def window_of(
         self, request: ImplRequest, group: int, start: int, window: list[int]
     ) -> list[int]:
         """What the scan of a sliding-window group considers from its cursor: the table's
-        blocks, each null (a block that left the window) replaced by the GPU block cached
-        under its position's key, where there is one (vLLM 0.30.0)."""
-        if NULL not in window:
-            return window
+        blocks, except where a block left the window (the null block, or a block the window
+        freed and another position reused: it holds another key), which are replaced by the
+        GPU block cached under the position's key, where there is one (vLLM 0.30.0)."""
         keys = request.block_keys()[group]
-        return [
-            block
-            if block != NULL or start + i >= len(keys)
-            else (self.gpu.find(keys[start + i]) or NULL)
-            for i, block in enumerate(window)
-        ]
+        held = self.gpu.key
+        out: list[int] = []
+        for i, block in enumerate(window):
+            key = keys[start + i] if start + i < len(keys) else None
+            if block != NULL and not self.reused(held[block], key):
+                out.append(block)
+            else:
+                out.append(NULL if key is None else self.recover(key))
+        return out
+
+    def reused(self, held: str | None, key: str | None) -> bool:
+        """Whether a window block holding ``held`` was reused by another position."""
+        return held is not None and held != key
+
+    def recover(self, key: str) -> int:
+        """The GPU block cached under ``key``, or the null block."""
+        return self.gpu.find(key) or NULL
 
     def reserve(self, picked: list[int]) -> list[int]:
         """CPU destinations for ``picked``: fresh, unkeyed, unreachable until completion."""
@@ -479,7 +541,8 @@ class Connector:
         picked, _, _ = self.select(tracker, tables)
         if not picked:
             return None
-        flush = Copy(picked, self.reserve(picked))
+        meta = self.meta_of(tracker, tables, picked) if self.cpu.events is not None else None
+        flush = Copy(picked, self.reserve(picked), meta)
         self.flushes.append(flush)
         self.in_flight.update(picked)
         self.gpu.pin(picked)
@@ -536,16 +599,37 @@ class Connector:
 
     def publish(self, copy: Copy) -> None:
         """Register every key of each source on its copy: the primary first, with its token
-        count, so that it stays the primary; then the secondary keys."""
+        count, so that it stays the primary; then the secondary keys. With kv-cache events,
+        a ``stored`` event for each, with what the selection captured for that key."""
         gpu, cpu = self.gpu, self.cpu
         extra, keys, tokens = gpu.extra_keys, gpu.key, gpu.key_tokens
-        for gpu_block, cpu_block in zip(copy.gpu, copy.cpu, strict=True):
+        events = cpu.events
+        for i, (gpu_block, cpu_block) in enumerate(zip(copy.gpu, copy.cpu, strict=True)):
             key = keys[gpu_block]
             assert key is not None, f"stored gpu block {gpu_block} lost its key"
             cpu.register(key, cpu_block, tokens[gpu_block])
-            if extra and gpu_block in extra:
-                for secondary in extra[gpu_block]:
-                    cpu.register(secondary, cpu_block, None)
+            secondaries = extra.get(gpu_block, ()) if extra else ()
+            for secondary in secondaries:
+                cpu.register(secondary, cpu_block, None)
+            if events is not None:
+                captured = copy.meta[i] if copy.meta is not None else {}
+                primary = block_key(key)
+                size = self.sizes[primary.group]
+                parent, token_ids, _ = captured.get(key, (None, (), size))
+                if len(token_ids) != size:  # captured at another size: nothing
+                    parent, token_ids = None, ()
+                events.append(KVEvent(STORED, primary, parent, token_ids, size))
+                for x in secondaries:
+                    parent, token_ids, covered = captured.get(x, (None, (), 0))
+                    events.append(KVEvent(STORED, block_key(x), parent, token_ids, covered))
+
+    def take_events(self) -> list[KVEvent]:
+        """The kv-cache events since the last call (vLLM's ``take_events``)."""
+        events = self.cpu.events
+        if events is None:
+            return []
+        self.cpu.events = []
+        return events
 
     def forget(self, copy: Copy) -> None:
         """Drop a transfer's pins; its data never becomes reachable."""

@@ -26,7 +26,7 @@ from kvoffload.impl.worker import KVLayout, Worker
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
 from kvoffload.model.snapshot import Snapshot
-from kvoffload.model.types import NO_EVENT, FinishResult, StepResult
+from kvoffload.model.types import NO_EVENT, FinishResult, KVEvent, StepResult
 from kvoffload.model.validate import (
     owed_completions,
     require_damageable,
@@ -257,6 +257,11 @@ class OffloadImpl:
         """The state as the model's snapshot shows it; the same object as the last one when
         nothing shown has changed."""
         return self._views.snapshot(self.engine)
+
+    def take_events(self) -> list[KVEvent]:
+        """The kv-cache events of the CPU tier since the last call (none unless
+        ``OffloadConfig.kv_events``)."""
+        return self.engine.connector.take_events()
 
     # -- data integrity -------------------------------------------------------------------
 

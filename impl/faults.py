@@ -224,10 +224,18 @@ class WindowTailNotRecovered(Connector):
     the scan passes over them, so the retained tail the GPU prefix cache still holds is
     never stored."""
 
-    def window_of(
-        self, request: ImplRequest, group: int, start: int, window: list[int]
-    ) -> list[int]:
-        return window
+    def recover(self, key: str) -> int:
+        return NULL
+
+
+class WindowStaleIds(Connector):
+    """vLLM 0.24.0 to 0.34.0 (live, found by the machine: docs/upstream.md): the eager scan
+    takes the block its copy of a sliding-window table names at a position, though the
+    window freed it and another position reused it, and stores it under that position's
+    token metadata."""
+
+    def reused(self, held: str | None, key: str | None) -> bool:
+        return False
 
 
 class WindowScanBreaks(Connector):
@@ -334,6 +342,7 @@ FAULTS: dict[str, Fault] = {
         Fault("lazy-stale-cursor", LazyStaleCursor, "LAZY-SCAN"),
         Fault("window-tail-not-recovered", WindowTailNotRecovered, "RECOVER"),
         Fault("window-scan-breaks", WindowScanBreaks, "FLUSH-COMPLETE"),
+        Fault("window-stale-ids", WindowStaleIds, "POSITION"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

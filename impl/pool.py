@@ -25,6 +25,7 @@ import itertools
 from collections.abc import Container, Iterable, Iterator, Sequence
 
 from kvoffload.model.keys import BlockKey
+from kvoffload.model.types import CLEARED, REMOVED, KVEvent
 
 NULL = 0  # the null block's id in every pool
 
@@ -125,6 +126,7 @@ class Pool:
         self.index: dict[str, int] = {}  # key -> its first holder
         self.dups: dict[str, dict[int, None]] = {}  # key -> every holder, when several
         self.extra_keys: dict[int, set[str]] = {}  # block -> its secondary keys
+        self.events: list[KVEvent] | None = None  # kv-cache events, when it publishes them
 
     @property
     def num_free(self) -> int:
@@ -213,12 +215,16 @@ class Pool:
         self.index[key] = next(iter(several))
 
     def drop_keys(self, block: int) -> None:
-        """Unmap every key of ``block`` and clear its primary."""
+        """Unmap every key of ``block`` and clear its primary; publish a ``removed`` event
+        for each key it unmapped, when the pool publishes events."""
         keys = self.extra_keys.pop(block, set())
         primary = self.key[block]
         if primary is not None:
             keys.add(primary)
+        events = self.events
         for key in keys:
+            if events is not None and self.has(key, block):
+                events.append(KVEvent(REMOVED, block_key(key)))
             self._unmap(key, block)
         self.key[block] = self.key_tokens[block] = None
 
@@ -277,6 +283,8 @@ class Pool:
         self.extra_keys = {}
         self.key = [None] * self.num_blocks
         self.key_tokens = [None] * self.num_blocks
+        if self.events is not None:
+            self.events.append(KVEvent(CLEARED))
         return True
 
     # -- reading --------------------------------------------------------------------------

@@ -16,6 +16,10 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - POOL-FRESH: a block returned by ``get_new_blocks`` has ref count 1, no primary, no
   secondary keys and no key in the map.
 
+A pool that publishes kv-cache events (``events`` is a list) adds a ``removed`` event for
+each key an eviction takes out of the map, and a ``cleared`` event when its prefix cache is
+reset.
+
 This is the readable reference: lists and dicts, linear scans, no optimisation.
 """
 
@@ -25,6 +29,7 @@ from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass
 
 from kvoffload.model.keys import BlockKey
+from kvoffload.model.types import CLEARED, REMOVED, KVEvent
 
 
 @dataclass
@@ -78,6 +83,9 @@ class BlockPool:
         # when it loses its keys (eviction, reset) or is handed out for new bytes.
         self.damaged: set[int] = set()
         self.allocation_log: list[FreshRecord] = []
+        # The kv-cache events this pool publishes (None: it publishes none), drained by the
+        # connector's take_events().
+        self.events: list[KVEvent] | None = None
 
     # -- the key map (vLLM's BlockHashToBlockMap) ---------------------------------------
 
@@ -149,7 +157,7 @@ class BlockPool:
         taken = [self.blocks[i] for i in self.free_queue[:n]]
         del self.free_queue[:n]
         for block in taken:
-            self.remove_cached_block_hashes(block)
+            self.publish_removed(self.remove_cached_block_hashes(block))
             assert block.ref_cnt == 0, f"{self.name} block {block.block_id} was queued in use"
             block.ref_cnt = 1
             self.damaged.discard(block.block_id)
@@ -187,7 +195,7 @@ class BlockPool:
     def evict_blocks(self, block_ids: Iterable[int]) -> None:
         """Remove the keys of the given blocks, whatever their ref count; queue unchanged."""
         for block_id in block_ids:
-            self.remove_cached_block_hashes(self.blocks[block_id])
+            self.publish_removed(self.remove_cached_block_hashes(self.blocks[block_id]))
             self.damaged.discard(block_id)
 
     def reset_prefix_cache(self) -> bool:
@@ -199,7 +207,14 @@ class BlockPool:
         self.damaged.clear()
         for block in self.blocks:
             block.reset_hash()
+        if self.events is not None:
+            self.events.append(KVEvent(CLEARED))
         return True
+
+    def publish_removed(self, keys: list[BlockKey]) -> None:
+        """A ``removed`` event for each key no longer reachable (an eviction)."""
+        if self.events is not None:
+            self.events.extend(KVEvent(REMOVED, key) for key in keys)
 
     # -- caching of computed GPU blocks (vLLM's cache_full_blocks / cache_partial_block) ---
 

@@ -7,7 +7,7 @@ Invariants kept here (checked once, at construction):
   from the fine-grained chain, one key per ``block_size // hash_block_size`` hash blocks);
 - the scheduler block size is the least common multiple of the group block sizes, so every
   group block size divides it;
-- ``lazy`` is a bool;
+- ``lazy`` and ``kv_events`` are bools;
 - ``sliding_windows`` is empty (every group is full attention) or names, per group, a
   sliding window in tokens (a positive int) or None (full attention), and at least one group
   is full attention (vLLM's offload scheduler matches prefixes on a full-attention group).
@@ -48,6 +48,8 @@ class OffloadConfig:
     sliding-window attention group (vLLM's ``SlidingWindowSpec``: a token attends to the
     ``window - 1`` tokens before it, so blocks wholly before that leave the request's block
     table), or None for full attention; empty when every group is full attention.
+    ``kv_events``: the connector publishes kv-cache events of the CPU tier (vLLM's
+    ``kv_events_config.enable_kv_cache_events``), drained by ``take_events()``.
     """
 
     gpu_blocks: int
@@ -57,6 +59,7 @@ class OffloadConfig:
     world_size: int = 1
     lazy: bool = False
     sliding_windows: tuple[int | None, ...] = ()
+    kv_events: bool = False
     scheduler_block_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -66,6 +69,8 @@ class OffloadConfig:
         _require_positive_int("world_size", self.world_size)
         if not isinstance(self.lazy, bool):
             raise ConfigError(f"lazy must be a bool, got {self.lazy!r}")
+        if not isinstance(self.kv_events, bool):
+            raise ConfigError(f"kv_events must be a bool, got {self.kv_events!r}")
         sizes = self.group_block_sizes
         if not isinstance(sizes, tuple) or not sizes:
             raise ConfigError(f"group_block_sizes must be a non-empty tuple, got {sizes!r}")

@@ -21,7 +21,7 @@ from kvoffload.model.keys import prefix_digests
 from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.observe import take_snapshot
 from kvoffload.model.snapshot import Snapshot
-from kvoffload.model.types import FinishResult, StepResult
+from kvoffload.model.types import FinishResult, KVEvent, StepResult
 from kvoffload.model.validate import (
     owed_completions,
     require_completion,
@@ -180,6 +180,11 @@ class OffloadModel:
 
     def snapshot(self) -> Snapshot:
         return take_snapshot(self.engine)
+
+    def take_events(self) -> list[KVEvent]:
+        """The kv-cache events of the CPU tier since the last call, in the order they were
+        published (none unless ``OffloadConfig.kv_events``)."""
+        return self.engine.connector.take_events()
 
     def check(self) -> None:
         """Check every invariant; raise the first violation, naming its ID."""

@@ -49,6 +49,11 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
   holds no null.
 - RECOVER: a store scan passes over a null position as null only when the GPU pool caches no
   block under its key; otherwise it takes the cached block in its place.
+- POSITION: a block a store scan takes for a position of a request holds that position's key
+  (a sliding window's block, freed and reused by another position, is not that position's).
+- EVENT-STORED: a ``stored`` kv-cache event names a key the CPU map holds when it is
+  published; the tokens it carries (if any) are ``block_size`` many and, chained from its
+  parent digest in hash blocks, give that key's digest.
 """
 
 from __future__ import annotations
@@ -59,7 +64,7 @@ from collections.abc import Callable, Iterator
 from kvoffload.model.block_pool import BlockPool
 from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import InvariantViolation
-from kvoffload.model.keys import block_keys
+from kvoffload.model.keys import ROOT_DIGEST, block_keys, chain_digest
 from kvoffload.model.offload import Transfer
 
 
@@ -408,6 +413,34 @@ def recover(state: Engine) -> Iterator[str]:
             )
 
 
+def position(state: Engine) -> Iterator[str]:
+    for sel in state.connector.selection_log:
+        for p in sel.picks:
+            if p.key != p.position_key:
+                yield (
+                    f"the store scan of {sel.request_id} took GPU block {p.gpu_block_id} for "
+                    f"position {p.index}, whose key is {p.position_key}; the block holds {p.key}"
+                )
+
+
+def event_stored(state: Engine) -> Iterator[str]:
+    hbs = state.config.hash_block_size
+    for r in state.connector.stored_log:
+        event = r.event
+        if not r.reachable:
+            yield f"a stored event for {event.key}, which the CPU map does not hold"
+        if not event.token_ids or event.key is None:
+            continue
+        digest = event.parent or ROOT_DIGEST
+        for j in range(0, len(event.token_ids), hbs):
+            digest = chain_digest(digest, event.token_ids[j : j + hbs])
+        if len(event.token_ids) != event.block_size or digest != event.key.digest:
+            yield (
+                f"the stored event for {event.key} carries {len(event.token_ids)} tokens "
+                f"{list(event.token_ids)} after parent {event.parent}, which are not that key's"
+            )
+
+
 CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "POOL-QUEUE": pool_queue,
     "POOL-MAP": pool_map,
@@ -433,6 +466,8 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "LAZY-EVICT-FIRST": lazy_evict_first,
     "WINDOW": window,
     "RECOVER": recover,
+    "POSITION": position,
+    "EVENT-STORED": event_stored,
 }
 
 
@@ -487,6 +522,8 @@ def exercised(state: Engine) -> set[str]:
             for ids in groups
         ),
         "RECOVER": bool(c.null_log),
+        "POSITION": any(s.picks for s in c.selection_log),
+        "EVENT-STORED": bool(c.stored_log),
         "NO-READ": any(
             r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
             for r in state.requests.values()

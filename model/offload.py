@@ -36,9 +36,15 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
   pool's free blocks are all taken.
 - LAZY-EVICT-FIRST: the GPU blocks of a completed lazy store that become free are the first
   of the free queue, in their store's order.
+- EVENT-STORED: with kv-cache events, each ``stored`` event names a key the CPU map holds
+  when it is published, and the tokens it carries, chained from its parent digest, give
+  that key's digest.
 - RECOVER: a null position (a sliding window's freed block) that a store scan reaches is
   passed over as null only when the GPU pool caches no block under its key; otherwise the
-  block cached there is what the scan considers.
+  block cached there is what the scan considers. A window position whose block now holds
+  another key (freed and reused) is such a null.
+- POSITION: a block a store scan takes for a position of a request holds that position's
+  key.
 """
 
 from __future__ import annotations
@@ -50,9 +56,9 @@ from typing import TYPE_CHECKING
 
 from kvoffload.model.arith import lookup_limit, plan_selection, ready_blocks
 from kvoffload.model.block_pool import Block, BlockPool
-from kvoffload.model.keys import BlockKey, block_keys
+from kvoffload.model.keys import BlockKey, block_keys, fine_key
 from kvoffload.model.lookup import find_longest_cache_hit
-from kvoffload.model.types import NO_EVENT, ConnectorMetadata
+from kvoffload.model.types import NO_EVENT, STORED, ConnectorMetadata, KVEvent
 
 if TYPE_CHECKING:
     from kvoffload.model.config import OffloadConfig
@@ -70,12 +76,19 @@ class Disposition(StrEnum):
     DROPPED_CAPACITY = "dropped_capacity"
 
 
+# What a store captured for a key's ``stored`` event: (parent digest, token ids, block size).
+StoreMeta = tuple[str | None, tuple[int, ...], int]
+
+
 @dataclass
 class Transfer:
-    """GPU and CPU block ids of one store or load, pairwise."""
+    """GPU and CPU block ids of one store or load, pairwise; with kv-cache events, what each
+    stored block's keys covered when it was selected (vLLM's ``BlockStoreMeta``), pairwise
+    too (None: nothing captured, as for lazy stores)."""
 
     gpu_block_ids: list[int]
     cpu_block_ids: list[int]
+    meta: list[dict[BlockKey, StoreMeta]] | None = None
 
 
 @dataclass
@@ -114,6 +127,8 @@ class PickRecord:
     key: BlockKey | None
     was_in_flight: bool
     was_in_cpu_map: bool
+    index: int = 0  # its position in the request's table
+    position_key: BlockKey | None = None  # the request's key for that position
 
 
 @dataclass(frozen=True)
@@ -168,6 +183,14 @@ class NullRecord:
 
 
 @dataclass(frozen=True)
+class StoredRecord:
+    """A ``stored`` event as it was published, and whether the CPU map held its key then."""
+
+    event: KVEvent
+    reachable: bool
+
+
+@dataclass(frozen=True)
 class ResetRecord:
     returned: bool
     abandoned: bool
@@ -185,6 +208,8 @@ class OffloadScheduler:
         self.hash_block_size = config.hash_block_size
         self.group_block_sizes = config.group_block_sizes
         self.cpu_pool = self.pool_class(config.cpu_blocks, "cpu")
+        if config.kv_events:
+            self.cpu_pool.events = []
         self.gpu_pool = gpu_pool
         self.expected_worker_count = config.world_size
 
@@ -219,6 +244,7 @@ class OffloadScheduler:
         self.lazy_scan_log: list[LazyScanRecord] = []
         self.lazy_return_log: list[LazyReturnRecord] = []
         self.null_log: list[NullRecord] = []
+        self.stored_log: list[StoredRecord] = []
 
     # -- lookup and load ------------------------------------------------------------------
 
@@ -320,21 +346,26 @@ class OffloadScheduler:
     # -- eager store selection --------------------------------------------------------------
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> ConnectorMetadata:
+        store_meta: list[dict[BlockKey, StoreMeta]] | None = None
         if self.config.lazy:
             store_gpu, store_cpu, store_req_ids = self._prepare_lazy_store_specs()
         else:
-            store_gpu, store_cpu, store_req_ids = self._prepare_eager_store_specs(scheduler_output)
+            store_gpu, store_cpu, store_req_ids, store_meta = self._prepare_eager_store_specs(
+                scheduler_output
+            )
         # PR #53532: every queued final flush rides on this step's store event.
         for transfer in self.pending_finished_stores:
             store_gpu.extend(transfer.gpu_block_ids)
             store_cpu.extend(transfer.cpu_block_ids)
+            if store_meta is not None and transfer.meta is not None:
+                store_meta.extend(transfer.meta)
         self.pending_finished_stores.clear()
         store_event = NO_EVENT
         if store_gpu:
             store_event = self.store_event_counter
             self.store_event_counter += 1
             self.issued_store_events.append(store_event)
-            self.store_event_to_blocks[store_event] = Transfer(store_gpu, store_cpu)
+            self.store_event_to_blocks[store_event] = Transfer(store_gpu, store_cpu, store_meta)
             if store_req_ids:
                 self.store_event_to_reqs[store_event] = store_req_ids
                 for req_id in store_req_ids:
@@ -369,9 +400,10 @@ class OffloadScheduler:
 
     def _prepare_eager_store_specs(
         self, scheduler_output: SchedulerOutput
-    ) -> tuple[list[int], list[int], list[str]]:
+    ) -> tuple[list[int], list[int], list[str], list[dict[BlockKey, StoreMeta]] | None]:
         merged_gpu: list[int] = []
         merged_cpu: list[int] = []
+        merged_meta: list[dict[BlockKey, StoreMeta]] | None = [] if self.config.kv_events else None
         req_ids: list[str] = []
         for req_id, new_block_ids in scheduler_output.req_data():
             state = self.reqs_to_store.get(req_id)
@@ -381,7 +413,7 @@ class OffloadScheduler:
                 state.block_ids[g].extend(ids)
             if scheduler_output.num_scheduled_tokens.get(req_id, 0) == 0:
                 continue
-            gpu_ids, advanced = self._select_eager_blocks_to_store(
+            gpu_ids, advanced, meta = self._select_eager_blocks_to_store(
                 state, state.block_ids, final_flush=False
             )
             if gpu_ids:
@@ -389,11 +421,13 @@ class OffloadScheduler:
                 req_ids.append(req_id)
                 merged_gpu.extend(gpu_ids)
                 merged_cpu.extend(b.block_id for b in cpu_blocks)
+                if merged_meta is not None and meta is not None:
+                    merged_meta.extend(meta)
                 self.in_flight_store_gpu_blocks.update(gpu_ids)
                 self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in gpu_ids])
             for g, n in enumerate(advanced):
                 state.num_stored_blocks[g] += n
-        return merged_gpu, merged_cpu, req_ids
+        return merged_gpu, merged_cpu, req_ids, merged_meta
 
     # -- lazy store selection ---------------------------------------------------------------
 
@@ -455,8 +489,9 @@ class OffloadScheduler:
 
     def _select_eager_blocks_to_store(
         self, state: StoreState, block_ids: tuple[list[int], ...], final_flush: bool
-    ) -> tuple[list[int], list[int]]:
-        """Confirmed blocks to store from each group's cursor on, and the cursor advances.
+    ) -> tuple[list[int], list[int], list[dict[BlockKey, StoreMeta]] | None]:
+        """Confirmed blocks to store from each group's cursor on, the cursor advances, and,
+        with kv-cache events, what each selected block's keys cover.
 
         Shared by the per-step scan and the final flush (PR #53532). When the final flush
         stops for capacity, the blocks it did not reach are recorded as dropped.
@@ -479,7 +514,11 @@ class OffloadScheduler:
         )
         marks = self.dispositions[request.request_id]
         chosen = [[candidates[g][j][1] for j in group] for g, group in enumerate(picks)]
-        observed = [self._observe(block) for group in chosen for block in group]
+        observed = [
+            self._observe(*candidates[g][j], self._position_key(request, g, candidates[g][j][0]))
+            for g, group in enumerate(picks)
+            for j in group
+        ]
         selected = [block.block_id for group in chosen for block in group]
         for g, group in enumerate(candidates):
             for j in range(advanced[g]):
@@ -492,18 +531,50 @@ class OffloadScheduler:
         self.selection_log.append(
             SelectionRecord(request.request_id, final_flush, num_free, tuple(observed))
         )
-        return selected, advanced
+        meta = None
+        if self.config.kv_events:
+            meta = [
+                self._store_meta(request, g, *candidates[g][j])
+                for g, group in enumerate(picks)
+                for j in group
+            ]
+        return selected, advanced, meta
+
+    def _store_meta(
+        self, request: Request, group: int, index: int, block: Block
+    ) -> dict[BlockKey, StoreMeta]:
+        """What position ``index`` of ``group`` covers in ``request``, under the selected
+        block's primary key and under every fine-grained key of the request inside it
+        (vLLM's ``BlockStoreMeta`` per hash): the tokens past the key before, and that key's
+        digest. As vLLM 0.34.0 captures it: the primary is the block's, the tokens are the
+        request's (EVENT-PAYLOAD says whether they agree)."""
+        size, hbs = self.group_block_sizes[group], self.hash_block_size
+        tokens = request.all_token_ids
+        keys = block_keys(request.digests, group, size, hbs)
+        start = index * size
+        assert block.block_hash is not None, f"selected GPU block {block.block_id} has no key"
+        meta: dict[BlockKey, StoreMeta] = {
+            block.block_hash: (
+                None if index == 0 else keys[index - 1].digest,
+                tuple(tokens[start : start + size]),
+                size,
+            )
+        }
+        for j in range(start // hbs, (start + size) // hbs):
+            key = fine_key(request.digests, j, group, hbs)
+            if key != block.block_hash:
+                parent = None if j == 0 else request.digests[j - 1]
+                meta[key] = (parent, tuple(tokens[j * hbs : (j + 1) * hbs]), hbs)
+        return meta
 
     def _scan_block(self, request: Request, group: int, index: int, block_id: int) -> Block:
         """The GPU block the scan considers at a position of a table: the table's, or, where
         a sliding window left the null block, the block the GPU prefix cache still holds
         under the position's key (vLLM 0.30.0: the retained tail the window freed)."""
         block = self.gpu_pool.blocks[block_id]
-        if not block.is_null:
+        key = self._position_key(request, group, index)
+        if not block.is_null and not self.reused(group, block, key):
             return block
-        size = self.group_block_sizes[group]
-        keys = block_keys(request.digests, group, size, self.hash_block_size)
-        key = keys[index] if index < len(keys) else None
         recovered = None if key is None else self.recover_null_block(key)
         self.null_log.append(
             NullRecord(
@@ -515,7 +586,19 @@ class OffloadScheduler:
                 None if recovered is None else recovered.block_id,
             )
         )
-        return block if recovered is None else recovered
+        return self.gpu_pool.null_block if recovered is None else recovered
+
+    def reused(self, group: int, block: Block, key: BlockKey | None) -> bool:
+        """Whether a sliding-window table's block was freed when it left the window and is
+        now another position's: it holds a key, not this position's. The scan's copy of the
+        table still names it (its positions are confirmed a step after they are computed),
+        so the position is taken as the null it is (found by the machine: vLLM 0.34.0 stores
+        the reused block, with this position's tokens in its BlockStored event)."""
+        return (
+            self.config.window(group) is not None
+            and block.block_hash is not None
+            and block.block_hash != key
+        )
 
     def recover_null_block(self, key: BlockKey) -> Block | None:
         """The GPU block cached under ``key``, if any."""
@@ -527,7 +610,7 @@ class OffloadScheduler:
         """The selection plan (:func:`~kvoffload.model.arith.plan_selection`)."""
         return plan_selection(storable, num_free)
 
-    def _observe(self, block: Block) -> PickRecord:
+    def _observe(self, index: int, block: Block, position_key: BlockKey | None) -> PickRecord:
         key = block.block_hash
         return PickRecord(
             block.block_id,
@@ -535,7 +618,16 @@ class OffloadScheduler:
             key,
             block.block_id in self.in_flight_store_gpu_blocks,
             key is not None and key in self.cpu_pool.cached,
+            index,
+            position_key,
         )
+
+    def _position_key(self, request: Request, group: int, index: int) -> BlockKey | None:
+        """The key of ``request``'s block ``index`` in ``group`` (None past its hashes)."""
+        keys = block_keys(
+            request.digests, group, self.group_block_sizes[group], self.hash_block_size
+        )
+        return keys[index] if index < len(keys) else None
 
     # -- completions ------------------------------------------------------------------------
 
@@ -600,6 +692,8 @@ class OffloadScheduler:
                 )
             )
             self.register_stored_block(gpu_block, cpu_block)
+        if self.cpu_pool.events is not None:
+            self.publish_stored(transfer)
         self.cpu_pool.free_blocks(cpu_blocks)
         gpu_blocks = [self.gpu_pool.blocks[i] for i in transfer.gpu_block_ids]
         if not self.config.lazy:
@@ -614,6 +708,39 @@ class OffloadScheduler:
                 tuple(self.gpu_pool.free_queue),
             )
         )
+
+    def publish_stored(self, transfer: Transfer) -> None:
+        """A ``stored`` event for each key a completed store made reachable: each GPU
+        block's primary, then its secondary keys, with what the selection captured for
+        that key (vLLM 0.30.0's ``BlockStored`` payload, PR #54325); a key it captured
+        nothing for has none (a primary still its group's block size, a secondary 0)."""
+        assert self.cpu_pool.events is not None
+        for i, gpu_id in enumerate(transfer.gpu_block_ids):
+            gpu_block = self.gpu_pool.blocks[gpu_id]
+            captured = transfer.meta[i] if transfer.meta is not None else {}
+            primary = gpu_block.block_hash
+            assert primary is not None
+            keys = [(primary, self.group_block_sizes[primary.group])]
+            keys += [(key, 0) for key in sorted(self.gpu_pool.secondary.get(gpu_id, set()))]
+            for key, size in keys:
+                parent, tokens, covered = captured.get(key, (None, (), size))
+                if key is primary:
+                    covered = size  # the primary's event is of its group's block size
+                if len(tokens) != covered:
+                    # What was captured is of another size (vLLM: "token_ids were sliced
+                    # with a different g_block_size"): the event carries nothing.
+                    parent, tokens = None, ()
+                event = KVEvent(STORED, key, parent, tokens, covered)
+                self.cpu_pool.events.append(event)
+                self.stored_log.append(StoredRecord(event, key in self.cpu_pool.cached))
+
+    def take_events(self) -> list[KVEvent]:
+        """The kv-cache events since the last call (vLLM's ``take_events``)."""
+        events = self.cpu_pool.events
+        if events is None:
+            return []
+        self.cpu_pool.events = []
+        return events
 
     def return_lazy_blocks(self, gpu_blocks: list[Block]) -> None:
         """Free a completed lazy store's GPU blocks to the head of the queue."""
@@ -660,11 +787,11 @@ class OffloadScheduler:
         state = self.reqs_to_store.get(request.request_id)
         if state is None:
             return None
-        gpu_ids, _ = self._select_eager_blocks_to_store(state, block_ids, final_flush=True)
+        gpu_ids, _, meta = self._select_eager_blocks_to_store(state, block_ids, final_flush=True)
         if not gpu_ids:
             return None
         cpu_blocks = self.allocate_store_destinations(gpu_ids)
-        transfer = Transfer(gpu_ids, [b.block_id for b in cpu_blocks])
+        transfer = Transfer(gpu_ids, [b.block_id for b in cpu_blocks], meta)
         self.pending_finished_stores.append(transfer)
         self.in_flight_store_gpu_blocks.update(gpu_ids)
         # Pinned before the engine frees the request's own refs.
@@ -758,5 +885,6 @@ class OffloadScheduler:
         self.lazy_scan_log.clear()
         self.lazy_return_log.clear()
         self.null_log.clear()
+        self.stored_log.clear()
         self.cpu_pool.allocation_log.clear()
         self.gpu_pool.allocation_log.clear()

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvoffload.model.keys import BlockKey
+
 NO_EVENT = -1
 
 
@@ -52,3 +54,40 @@ class FinishResult:
     request_id: str
     flush_gpu_blocks: tuple[int, ...] = ()
     flush_cpu_blocks: tuple[int, ...] = ()
+
+
+# What a kv-cache event of the CPU tier says (vLLM's ``kv_events``).
+STORED, REMOVED, CLEARED = "stored", "removed", "cleared"
+MEDIUM_CPU = "CPU"
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """One kv-cache event of the CPU tier, as vLLM's offload scheduler publishes it.
+
+    ``stored`` (vLLM's ``BlockStored``): ``key`` became reachable on the CPU; ``token_ids``
+    are the tokens the key covers past its parent, ``parent`` the digest of the key before
+    (None for the first), ``block_size`` their count; all three empty (0) where the store
+    captured nothing for that key (lazy stores). ``removed`` (``BlockRemoved``): ``key`` is
+    no longer reachable. ``cleared`` (``AllBlocksCleared``): no key is. ``medium`` is the
+    tier: the CPU, for this connector.
+    """
+
+    kind: str
+    key: BlockKey | None = None
+    parent: str | None = None
+    token_ids: tuple[int, ...] = ()
+    block_size: int = 0
+    medium: str = MEDIUM_CPU
+
+    def sort_key(self) -> tuple[str, str, str, tuple[int, ...], int, str]:
+        """A total order, for comparing the events of one call as a multiset (vLLM emits a
+        block's secondary keys in the order of a set)."""
+        return (
+            self.kind,
+            str(self.key),
+            self.parent or "",
+            self.token_ids,
+            self.block_size,
+            self.medium,
+        )

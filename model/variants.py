@@ -20,8 +20,12 @@ breaks:
 - ``window-no-recover``: vLLM <= 0.29.0 (S14): the store scan passes over the null block a
   sliding window leaves, though the block that left the window is still cached in the GPU
   free queue (0.30.0 stores it from there). Caught by RECOVER.
+- ``window-stale-ids``: vLLM 0.24.0 to 0.34.0 (live; found by the machine): the store scan
+  takes the block its copy of a sliding-window table names at a position, though the window
+  freed it and another position reused it. Caught by POSITION and EVENT-STORED.
 - ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``bug-53498-primary-only`` and
-  ``bug-53498-no-final-flush``), ``serves-skip-reading``, ``window-no-recover``, and its
+  ``bug-53498-no-final-flush``), ``serves-skip-reading``, ``window-no-recover``,
+  ``window-stale-ids``, and its
   selection loop, whose cursors also pass over blocks that need no store while the CPU pool
   is full (``SharedBudgetScheduler``).
 
@@ -245,6 +249,17 @@ class WindowNoRecoverScheduler(OffloadScheduler):
         return None
 
 
+class WindowStaleIdsScheduler(OffloadScheduler):
+    """vLLM 0.24.0 to 0.34.0 (found by the machine, docs/upstream.md): the eager scan reads
+    its own copy of a sliding-window table, which still names a block the window freed and
+    another position (of this request or another) reused; it stores that block, and with
+    kv-cache events publishes it with this position's tokens. Caught by POSITION (and
+    EVENT-STORED, when the two positions' blocks are of one size)."""
+
+    def reused(self, group: int, block: Block, key: BlockKey | None) -> bool:
+        return False
+
+
 class AppendingPoolScheduler(OffloadScheduler):
     """vLLM before 0.24.0: both pools free every block to the tail of their queue
     (:class:`~kvoffload.model.block_pool.AppendingBlockPool`)."""
@@ -311,6 +326,7 @@ _VLLM_029 = (
     ServesSkipReadingScheduler,
     SharedBudgetScheduler,
     WindowNoRecoverScheduler,
+    WindowStaleIdsScheduler,
 )
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
@@ -329,6 +345,7 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     ),
     "selection-0.29": SharedBudgetScheduler,
     "window-no-recover": WindowNoRecoverScheduler,
+    "window-stale-ids": WindowStaleIdsScheduler,
     "lazy-cursor": LazyCursorScheduler,
     "lazy-tail": LazyTailScheduler,
     "lazy-0.33": type("Lazy033Scheduler", (LazyCursorScheduler, LazyTailScheduler), {}),

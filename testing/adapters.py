@@ -15,6 +15,7 @@ import torch
 
 from kvoffload.impl import FAULTS, OffloadImpl
 from kvoffload.model import FinishResult, OffloadConfig, Snapshot, StepResult
+from kvoffload.model.types import KVEvent
 
 
 class Target(Protocol):
@@ -37,6 +38,7 @@ class Target(Protocol):
     def live_requests(self) -> list[str]: ...
     def outstanding(self, kind: str) -> list[tuple[int, int]]: ...
     def snapshot(self) -> Snapshot: ...
+    def take_events(self) -> list[KVEvent]: ...
 
 
 @runtime_checkable

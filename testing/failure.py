@@ -57,9 +57,10 @@ CONFIG_FIELDS = (
     "world_size",
     "lazy",
     "sliding_windows",
+    "kv_events",
 )
 # Fields a failure file may leave out (written before they existed), with their value then.
-CONFIG_DEFAULTS: dict[str, Any] = {"lazy": False, "sliding_windows": []}
+CONFIG_DEFAULTS: dict[str, Any] = {"lazy": False, "sliding_windows": [], "kv_events": False}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")
@@ -283,9 +284,10 @@ def _check_config(config: object) -> OffloadConfig:
         f"config group_block_sizes must be a list of ints, got {sizes!r}",
     )
     for name in CONFIG_FIELDS:
-        if name == "lazy":
+        if name in ("lazy", "kv_events"):
             _expect(
-                isinstance(config[name], bool), f"config lazy must be a bool, got {config[name]!r}"
+                isinstance(config[name], bool),
+                f"config {name} must be a bool, got {config[name]!r}",
             )
         elif name == "sliding_windows":
             windows = config[name]
@@ -304,6 +306,7 @@ def _check_config(config: object) -> OffloadConfig:
             config["world_size"],
             config["lazy"],
             tuple(config["sliding_windows"]),
+            config["kv_events"],
         )
     except ConfigError as error:
         raise FailureFileError(f"config is not valid: {error}") from None

@@ -18,6 +18,7 @@ from typing import Any
 from kvoffload.impl import OffloadImpl
 from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
 from kvoffload.model.snapshot import PoolView, Snapshot
+from kvoffload.model.types import STORED, KVEvent
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import (
     HoldsBytes,
@@ -128,6 +129,36 @@ def _agreed(model: OffloadModel, impl: Target) -> _Agreed | None:
     return found if found is not None and found.model is model else None
 
 
+def compare_events(model: OffloadModel, impl: Target) -> str | None:
+    """Drain the kv-cache events of both sides since the last call and describe how they
+    differ, or None. One call's events are compared as a multiset: vLLM publishes a block's
+    secondary keys in the order of a set."""
+    try:
+        theirs = sorted(impl.take_events(), key=KVEvent.sort_key)
+    except Exception as error:
+        return f"the implementation's take_events() raised {as_outcome(error)}"
+    mine = sorted(model.take_events(), key=KVEvent.sort_key)
+    if mine == theirs:
+        return None
+    only_mine = [e for e in mine if e not in theirs]
+    only_theirs = [e for e in theirs if e not in mine]
+    return (
+        f"kv events differ: only the model published {_events(only_mine)}, only the "
+        f"implementation {_events(only_theirs)}"
+    )
+
+
+def _events(events: list[KVEvent], limit: int = 4) -> str:
+    shown = [
+        f"{e.kind} {e.key}"
+        + (f" {list(e.token_ids)}/{e.block_size}" if e.kind == STORED else "")
+        + (f" parent {e.parent[:6]}" if e.parent else "")
+        for e in events[:limit]
+    ]
+    more = f" and {len(events) - limit} more" if len(events) > limit else ""
+    return "[" + ", ".join(shown) + "]" + more if events else "nothing"
+
+
 def compare(
     model: OffloadModel, impl: Target, call: Call, n: int, incremental: bool = True
 ) -> str | None:
@@ -143,6 +174,9 @@ def compare(
     results = None
     if expected != actual:
         results = f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
+    events = compare_events(model, impl)
+    if events is not None:
+        results = f"{results or f'call {n} {call}'}; {events}"
     agreed = _agreed(model, impl) if incremental else None
     reuse = agreed is not None and changes_nothing(call, expected)
     mine = agreed.model_snapshot if agreed is not None and reuse else model.snapshot()

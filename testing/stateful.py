@@ -87,6 +87,8 @@ SETUP = initialize(
     first=PROMPTS,
     # lazy offloading one program in three (a configuration of the connector, as in vLLM)
     lazy=st.integers(0, 2).map(lambda n: n == 2),
+    # kv-cache events published and compared after every call, one program in two
+    kv_events=st.booleans(),
 )
 
 
@@ -152,11 +154,19 @@ class ConformanceMachine(RuleBasedStateMachine):
         world_size: int,
         first: list[int],
         lazy: bool,
+        kv_events: bool,
     ) -> None:
         started = time.perf_counter()
         groups, hbs, windows = layout
         self.config = OffloadConfig(
-            gpu_blocks, cpu_blocks, groups, hbs, world_size, lazy, sliding_windows=windows
+            gpu_blocks,
+            cpu_blocks,
+            groups,
+            hbs,
+            world_size,
+            lazy,
+            sliding_windows=windows,
+            kv_events=kv_events,
         )
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
         assume(unsupported(type(self).adapter_name, self.config) is None)

@@ -306,4 +306,21 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("step", 32),
         ],
     ),
+    # The window group's first block (unkeyed: no hit ends there) leaves the window at the
+    # second step, is freed and reused at once by the full-attention group for the prompt's
+    # tail (a partial key); the scan's copy of the window table still names it at position
+    # 0, and the third step's scan must pass over it (found by the machine: vLLM 0.34.0
+    # stores it, with position 0's tokens in its BlockStored event).
+    "window-block-reused": (
+        cfg(5, 2, (8, 4), 4, sliding_windows=(None, 3)),
+        [
+            ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 2),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+        ],
+    ),
 }

@@ -35,6 +35,7 @@ FAULT_SCENARIO = {
     "lazy-stale-cursor": "lazy-scan-after-cpu-eviction",
     "window-tail-not-recovered": "window-block-recovered",
     "window-scan-breaks": "window-scan-passes-unkeyed",
+    "window-stale-ids": "window-block-reused",
 }
 
 

@@ -21,7 +21,9 @@ from kvoffload.model.offload import (
     PickRecord,
     ResetRecord,
     SelectionRecord,
+    StoredRecord,
 )
+from kvoffload.model.types import STORED, KVEvent
 
 from helpers import drain, make, prompt
 
@@ -147,6 +149,16 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     ),
     # a null at the start of a full-attention table (c's first block dropped from it)
     "WINDOW": lambda m: m.engine.req_to_blocks["c"][0].__setitem__(0, 0),
+    # a scan that took a block for a position whose key it does not hold
+    "POSITION": lambda m: m.engine.connector.selection_log.append(
+        SelectionRecord(
+            "c", False, 4, (PickRecord(3, False, ALIEN, False, False, 0, BlockKey(0, 4, "0" * 16)),)
+        )
+    ),
+    # a stored event for a key the CPU does not hold, with tokens that are not the key's
+    "EVENT-STORED": lambda m: m.engine.connector.stored_log.append(
+        StoredRecord(KVEvent(STORED, ALIEN, None, (1, 2, 3, 4), 4), False)
+    ),
     # a scan that passed over a null position whose key the GPU pool still caches
     "RECOVER": lambda m: m.engine.connector.null_log.append(
         NullRecord("c", 0, 0, next(iter(m.engine.gpu_pool.cached)), True, None)

@@ -108,14 +108,15 @@ def test_variants_compose() -> None:
         ("lazy-cursor", "lazy-scan-after-cpu-eviction", "LAZY-SCAN"),
         ("lazy-tail", "lazy-store-return-and-load", "LAZY-EVICT-FIRST"),
         ("window-no-recover", "window-block-recovered", "RECOVER"),
+        ("window-stale-ids", "window-block-reused", "POSITION"),
     ],
 )
 def test_the_later_bugs_break_the_invariant_their_variant_names(
     variant: str, scenario: str, invariant: str
 ) -> None:
-    """The variants of S12, S27, S26 and S14, with every invariant checked after every call: the
-    fixed model runs the scenario clean, the variant breaks the invariant its docstring
-    names."""
+    """The variants of S12, S27, S26, S14 and the live window scan bug, with every invariant
+    checked after every call: the fixed model runs the scenario clean, the variant breaks the
+    invariant its docstring names."""
     config, program = SCENARIOS[scenario]
     fixed = OffloadModel(config, check=True)
     for call in program:

@@ -57,6 +57,9 @@ _S12 = "serves-skip-reading"
 _S14 = "window-no-recover"
 # vLLM 0.30.0 to 0.33.0's lazy mode (S26 and S27), which every fixed model of them includes.
 _LAZY = "lazy-0.33"
+# Live in every release that draws sliding windows (0.24.0 to 0.34.0), so every model of them
+# includes it: the scan stores a window block freed and reused by another position.
+_LIVE = "window-stale-ids"
 BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S1",
@@ -136,8 +139,8 @@ BUGS: list[HistoricalBug] = [
         "no final flush at request finish",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S12}+{_S14}+selection-0.29",
-        _LAZY,
+        f"{_S10}+{_S12}+{_S14}+selection-0.29+{_LIVE}",
+        f"{_LAZY}+{_LIVE}",
         "pending_flushes",
         "0.29.0's registration (S10), CPU hits for requests that skip reading (S12), "
         "window scan (S14) and selection loop modelled",
@@ -148,8 +151,8 @@ BUGS: list[HistoricalBug] = [
         "stores registered without _insert_block_hash: stamped primary, no secondary keys",
         "0.29.0",
         "0.30.0",
-        f"{_S9}+{_S12}+{_S14}+selection-0.29",
-        _LAZY,
+        f"{_S9}+{_S12}+{_S14}+selection-0.29+{_LIVE}",
+        f"{_LAZY}+{_LIVE}",
         "snapshots differ in ['cpu']",
         "0.29.0's missing final flush (S9), CPU hits for requests that skip reading (S12), "
         "window scan (S14) and selection loop modelled",
@@ -168,8 +171,8 @@ BUGS: list[HistoricalBug] = [
         "skip_reading_prefix_cache not respected: a CPU hit served to a prompt-logprobs request",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S9}+{_S14}+selection-0.29",
-        _LAZY,
+        f"{_S10}+{_S9}+{_S14}+selection-0.29+{_LIVE}",
+        f"{_LAZY}+{_LIVE}",
         "'loads'",
         "0.29.0's registration (S10), missing final flush (S9), window scan (S14) and "
         "selection loop modelled",
@@ -188,8 +191,8 @@ BUGS: list[HistoricalBug] = [
         "sliding-window retained tail nulled in the block table, never stored",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S9}+{_S12}+selection-0.29",
-        _LAZY,
+        f"{_S10}+{_S9}+{_S12}+selection-0.29+{_LIVE}",
+        f"{_LAZY}+{_LIVE}",
         "tracked",
         "0.29.0's registration (S10), missing final flush (S9), CPU hits for requests that "
         "skip reading (S12) and selection loop modelled",
@@ -248,8 +251,8 @@ BUGS: list[HistoricalBug] = [
         "reset() keeps the pins of CPU hits not yet allocated",
         "0.31.0",
         "0.32.0",
-        f"reset-releases-hits+{_LAZY}",
-        f"reset-releases-hits+{_LAZY}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}",
         "pending_hits",
         "0.31.0's lazy mode (S26, S27) modelled",
     ),
@@ -283,8 +286,8 @@ BUGS: list[HistoricalBug] = [
         "CPU copy of a GPU-hot prefix never refreshed in the CPU LRU",
         "0.33.0",
         "0.34.0",
-        f"inclusive-cpu+{_LAZY}",
-        "inclusive-cpu",
+        f"inclusive-cpu+{_LAZY}+{_LIVE}",
+        f"inclusive-cpu+{_LIVE}",
         "cpu: free queue",
         "0.33.0's lazy mode (S26, S27) modelled",
     ),
@@ -294,8 +297,8 @@ BUGS: list[HistoricalBug] = [
         "lazy mode returns offloaded blocks to the MRU end",
         "0.33.0",
         "0.34.0",
-        "reset-releases-hits+lazy-cursor",
-        "inclusive-cpu",
+        f"reset-releases-hits+lazy-cursor+{_LIVE}",
+        f"inclusive-cpu+{_LIVE}",
         "gpu: free queue",
         "0.33.0's scan cursor (S27) modelled, and its eager mode (without S25's refresh)",
     ),
@@ -305,8 +308,8 @@ BUGS: list[HistoricalBug] = [
         "lazy mode's stale scan cursor: blocks behind it never stored",
         "0.33.0",
         "0.34.0",
-        "reset-releases-hits+lazy-tail",
-        "inclusive-cpu",
+        f"reset-releases-hits+lazy-tail+{_LIVE}",
+        f"inclusive-cpu+{_LIVE}",
         "model returned StepResult",
         "0.33.0's return of lazy stores to the tail (S26) modelled, and its eager mode "
         "(without S25's refresh)",

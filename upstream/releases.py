@@ -65,10 +65,10 @@ RELEASES = {
             (
                 Check("fixed", "disagree", "a bug of #53498 against the fixed model"),
                 Check(
-                    "bug-53498-primary-only+serves-skip-reading",
+                    "bug-53498-primary-only+serves-skip-reading+window-no-recover+window-stale-ids",
                     "disagree",
-                    "with its registration and its CPU hits for requests that skip reading "
-                    "modelled, the missing final flush",
+                    "with its registration, its CPU hits for requests that skip reading and "
+                    "its window scan modelled, the missing final flush",
                     # seen as a queued flush in the snapshot, or in a finish's result
                     finds="flush",
                 ),
@@ -81,15 +81,17 @@ RELEASES = {
         ),
         *_conforming(
             ["0.30.0", "0.31.0"],
-            "lazy-0.33",
+            "lazy-0.33+window-stale-ids",
             "PR #53532 (0.30.0 is the first); lazy mode's scan cursor and return to the tail",
-            "the fixed model, with the lazy mode of 0.30.0 to 0.33.0 (S26, S27)",
+            "the fixed model, with the lazy mode of 0.30.0 to 0.33.0 (S26, S27) and the "
+            "window scan's reused blocks",
         ),
         *_conforming(
             ["0.32.0", "0.33.0"],
-            "reset-releases-hits+lazy-0.33",
+            "reset-releases-hits+lazy-0.33+window-stale-ids",
             "reset() releases the pins of CPU hits not yet allocated (S21)",
-            "the fixed model with 0.32's reset of lookup pins and 0.33's lazy mode",
+            "the fixed model with 0.32's reset of lookup pins, 0.33's lazy mode and the "
+            "window scan's reused blocks",
         ),
         Release(
             "0.34.0",
@@ -97,8 +99,16 @@ RELEASES = {
             (
                 Check(
                     "inclusive-cpu",
+                    "disagree",
+                    "the eager scan stores a sliding-window block freed and reused by "
+                    "another position (live, docs/upstream.md)",
+                    finds="store",
+                ),
+                Check(
+                    "inclusive-cpu+window-stale-ids",
                     "conform",
-                    "the fixed model with 0.34's refresh of the CPU copy of GPU hits",
+                    "the fixed model with 0.34's refresh of the CPU copy of GPU hits and the "
+                    "window scan's reused blocks",
                 ),
             ),
         ),

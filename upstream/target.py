@@ -30,7 +30,7 @@ from kvoffload.model.snapshot import (
     StoreTrackView,
     TransferView,
 )
-from kvoffload.model.types import FinishResult, StepResult
+from kvoffload.model.types import CLEARED, REMOVED, STORED, FinishResult, KVEvent, StepResult
 from kvoffload.model.validate import (
     owed_completions,
     require_completion,
@@ -137,6 +137,34 @@ class VllmOffload:
 
     def snapshot(self) -> Snapshot:
         return take_snapshot(self.engine)
+
+    def take_events(self) -> list[KVEvent]:
+        """vLLM's ``take_events()``, as the model's events: a ``BlockStored`` of one hash
+        each (what the offload scheduler publishes), ``BlockRemoved``, ``AllBlocksCleared``."""
+        if not self.config.kv_events:
+            return []
+        return [self._event(e) for e in self.manager.take_events()]
+
+    def _event(self, event: Any) -> KVEvent:
+        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+        keys = self.engine.keys
+        if isinstance(event, AllBlocksCleared):
+            return KVEvent(CLEARED)
+        assert isinstance(event, BlockStored | BlockRemoved), f"unknown event {event!r}"
+        assert len(event.block_hashes) == 1, f"an event of several blocks: {event!r}"
+        key = keys.external_key(event.block_hashes[0], event.group_idx)
+        if isinstance(event, BlockRemoved):
+            return KVEvent(REMOVED, key, medium=event.medium)
+        parent = event.parent_block_hash
+        return KVEvent(
+            STORED,
+            key,
+            None if parent is None else keys.external_digest(parent),
+            tuple(event.token_ids),
+            event.block_size,
+            event.medium,
+        )
 
 
 # -- vLLM's state as a snapshot ---------------------------------------------------------------

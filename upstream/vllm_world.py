@@ -72,6 +72,10 @@ def supported(config: OffloadConfig) -> str | None:
         # Before 0.22.0 the eager scan broke on an unkeyed window position (S3), and before
         # 0.24.0 every group hashed whole blocks: not modelled.
         return "sliding-window groups are modelled from vLLM 0.24.0 on"
+    if config.kv_events and (0, 0, 0) < version_numbers() < (0, 30, 0):
+        # Up to 0.29.0 the CPU tier's BlockStored events had no tokens, no parent, the GPU's
+        # medium and no secondary keys (S11, PR #54325): not modelled.
+        return "kv-cache events are modelled from vLLM 0.30.0 on"
     if config.lazy and (0, 0, 0) < version_numbers() < (0, 30, 0):
         # Up to 0.29.0 the lazy scan also stamped the CPU blocks it reserved (S10's bug in
         # lazy mode), and before it differed again: not modelled.
@@ -97,6 +101,7 @@ def build(config: OffloadConfig) -> World:
     from vllm.config import (
         CacheConfig,
         DeviceConfig,
+        KVEventsConfig,
         KVTransferConfig,
         ModelConfig,
         SchedulerConfig,
@@ -137,6 +142,11 @@ def build(config: OffloadConfig) -> World:
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"
+        ),
+        kv_events_config=(
+            KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+            if config.kv_events
+            else None
         ),
         device_config=DeviceConfig("cpu"),
     )
