@@ -294,6 +294,47 @@ def test_each_counterexample_shows_its_bug_and_conforms_once_fixed(version: str)
             assert got is not None and words in got, f"{bug} in {version} vs {variant}: {got}"
 
 
+@pytest.mark.parametrize("version", ["0.30.0", "0.34.0"])
+def test_the_live_window_scan_bug_shows_in_vllm_and_its_variant_conforms(version: str) -> None:
+    """The counterexample of the live bug (docs/upstream.md): the release against its own row's
+    model conforms; against that model without ``window-stale-ids`` it stores the reused
+    block, which the fixed scan passes over."""
+    cache = Cache(default_cache())
+    if not cache.installed(version):
+        pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
+    config, program = SCENARIOS["window-block-reused"]
+    variant = RELEASES[version].model_variant
+    without = variant.replace("+window-stale-ids", "")
+    assert without != variant
+    fields = (
+        *(config.gpu_blocks, config.cpu_blocks, config.group_block_sizes),
+        *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
+    )
+    script = textwrap.dedent(
+        f"""
+        import json
+        from kvoffload.model import OffloadConfig
+        from kvoffload.testing.lockstep import first_disagreement
+        for variant in {[variant, without]!r}:
+            found = first_disagreement(
+                OffloadConfig(*{fields!r}), {program!r}, adapter="vllm", variant=variant
+            )
+            print(json.dumps({{"found": found}}))
+        """
+    )
+    run = subprocess.run(
+        [str(cache.python), "-c", script],
+        env=cache.environment(version),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
+    assert found[0] is None, found[0]
+    assert found[1] is not None and "store_gpu_blocks=(2,)" in found[1], found[1]
+
+
 def test_an_unreachable_bug_has_no_checks() -> None:
     bug = HistoricalBug("S0", "", "", "0.1.0", "0.2.0", out_of_reach="a GPU")
     assert not bug.in_scope and history.checks_by_release([bug]) == {}

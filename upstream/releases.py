@@ -97,13 +97,9 @@ RELEASES = {
             "0.34.0",
             "the latest release",
             (
-                Check(
-                    "inclusive-cpu",
-                    "disagree",
-                    "the eager scan stores a sliding-window block freed and reused by "
-                    "another position (live, docs/upstream.md)",
-                    finds="store",
-                ),
+                # The live bug of the window scan (window-stale-ids) is not a check of its own:
+                # the machine meets it in a few thousand programs, more than a check's budget
+                # promises; tests/test_upstream_history.py replays its counterexample.
                 Check(
                     "inclusive-cpu+window-stale-ids",
                     "conform",
