@@ -24,8 +24,9 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - REF-CPU: each CPU block's ref count is the number of lookup pins and loads that include
   it plus one if it is the destination of a queued, in-flight or abandoned store.
 - KEYS: the GPU blocks of a request's computed full blocks carry the request's keys.
-- WINDOW: a sliding-window table holds the null block exactly at the positions wholly
-  before the window of the request's computed tokens, as of its last allocation.
+- WINDOW: in a sliding-window table the null block is a prefix, no longer than the blocks
+  wholly before the window of the request's computed tokens; a full-attention table holds
+  no null.
 """
 
 from __future__ import annotations
@@ -296,7 +297,9 @@ class Engine:
                     ids = self.req_to_blocks[req_id][g]
                     window = self.config.window(g)
                     if window is not None and num_local + num_external >= window and window < 2:
-                        continue  # the whole external range left the window: none allocated
+                        # A window of 1 attends to no earlier token: the external range has
+                        # all left it, and vLLM allocates it nothing.
+                        continue
                     n = max(0, math.ceil((num_local + num_external) / size) - len(ids))
                     ids.extend(b.block_id for b in self.gpu_pool.get_new_blocks(n))
         for g, size in enumerate(sizes):

@@ -259,18 +259,20 @@ def test_every_bug_in_reach_has_a_counterexample() -> None:
 CASE_RELEASES: list[str] = sorted(_cases(), key=_version)
 
 
-@pytest.mark.parametrize("version", CASE_RELEASES)
-def test_each_counterexample_shows_its_bug_and_conforms_once_fixed(version: str) -> None:
+def _first_disagreements(
+    version: str, runs: list[tuple[tuple[Any, ...], list[Any], str]]
+) -> list[str | None]:
+    """In ``version``'s environment, vLLM's first disagreement with each (configuration's
+    fields, program, variant), or None; skipped where the release is not installed."""
     cache = Cache(default_cache())
     if not cache.installed(version):
         pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
-    cases = _cases()[version]
     script = textwrap.dedent(
         f"""
         import json
         from kvoffload.model import OffloadConfig
         from kvoffload.testing.lockstep import first_disagreement
-        for _, config, program, variant, _ in {cases!r}:
+        for config, program, variant in {runs!r}:
             found = first_disagreement(
                 OffloadConfig(*config), program, adapter="vllm", variant=variant
             )
@@ -286,8 +288,17 @@ def test_each_counterexample_shows_its_bug_and_conforms_once_fixed(version: str)
     )
     assert run.returncode == 0, run.stderr[-3000:]
     found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
-    assert len(found) == len(cases)
-    for (bug, _, _, variant, words), got in zip(cases, found, strict=True):
+    assert len(found) == len(runs)
+    return found
+
+
+@pytest.mark.parametrize("version", CASE_RELEASES)
+def test_each_counterexample_shows_its_bug_and_conforms_once_fixed(version: str) -> None:
+    cases = _cases()[version]
+    runs = [(config, program, variant) for _, config, program, variant, _ in cases]
+    for (bug, _, _, variant, words), got in zip(
+        cases, _first_disagreements(version, runs), strict=True
+    ):
         if words is None:
             assert got is None, f"{bug} in {version} vs {variant}: {got}"
         else:
@@ -299,9 +310,6 @@ def test_the_live_window_scan_bug_shows_in_vllm_and_its_variant_conforms(version
     """The counterexample of the live bug (docs/upstream.md): the release against its own row's
     model conforms; against that model without ``window-stale-ids`` it stores the reused
     block, which the fixed scan passes over."""
-    cache = Cache(default_cache())
-    if not cache.installed(version):
-        pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
     config, program = SCENARIOS["window-block-reused"]
     variant = RELEASES[version].model_variant
     without = variant.replace("+window-stale-ids", "")
@@ -310,29 +318,11 @@ def test_the_live_window_scan_bug_shows_in_vllm_and_its_variant_conforms(version
         *(config.gpu_blocks, config.cpu_blocks, config.group_block_sizes),
         *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
     )
-    script = textwrap.dedent(
-        f"""
-        import json
-        from kvoffload.model import OffloadConfig
-        from kvoffload.testing.lockstep import first_disagreement
-        for variant in {[variant, without]!r}:
-            found = first_disagreement(
-                OffloadConfig(*{fields!r}), {program!r}, adapter="vllm", variant=variant
-            )
-            print(json.dumps({{"found": found}}))
-        """
+    conforming, buggy = _first_disagreements(
+        version, [(fields, program, variant), (fields, program, without)]
     )
-    run = subprocess.run(
-        [str(cache.python), "-c", script],
-        env=cache.environment(version),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
-    assert found[0] is None, found[0]
-    assert found[1] is not None and "store_gpu_blocks=(2,)" in found[1], found[1]
+    assert conforming is None, conforming
+    assert buggy is not None and "store_gpu_blocks=(2,)" in buggy, buggy
 
 
 def test_an_unreachable_bug_has_no_checks() -> None:
