@@ -1,6 +1,6 @@
 """The implementation's offload scheduler: CPU offloading as vLLM 0.30.0's
-``SimpleCPUOffloadScheduler`` for full-attention groups, eager or lazy as 0.34.0 has it,
-written for speed.
+``SimpleCPUOffloadScheduler`` for full-attention and sliding-window groups, with kv-cache
+events, eager or lazy as 0.34.0 has it, written for speed.
 
 State is in arrays (:mod:`kvoffload.impl.pool`): transfers, hits and loads hold block ids,
 and every pool operation takes a whole batch. Selection walks each group's block table from

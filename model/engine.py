@@ -1,10 +1,10 @@
 """The engine around the connector, reduced to what the connector sees.
 
-vLLM's scheduler and KV cache manager for full-attention groups: requests as token ids
-with chained keys, GPU blocks per request and group, GPU prefix-cache hits, a step with a
-token budget (running requests first, then waiting ones in order; chunked prefill;
-one-token decode steps), async CPU loads, and finish, which tells the connector before it
-frees the request's GPU blocks.
+vLLM's scheduler and KV cache manager for full-attention and sliding-window groups:
+requests as token ids with chained keys, GPU blocks per request and group, GPU prefix-cache
+hits, a step with a token budget (running requests first, then waiting ones in order;
+chunked prefill; one-token decode steps), async CPU loads, and finish, which tells the
+connector before it frees the request's GPU blocks.
 
 Sliding-window groups: the blocks wholly before a request's window leave its table (the
 null block takes their place) when it is allocated again and when it finishes; they are

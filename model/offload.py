@@ -1,5 +1,6 @@
 """The connector's scheduler side: vLLM's ``SimpleCPUOffloadScheduler`` as fixed by PR
-#53532 (vLLM 0.30.0 and later) and by 0.34.0's lazy mode, reduced to full-attention groups.
+#53532 (vLLM 0.30.0 and later) and by 0.34.0's lazy mode, over full-attention and
+sliding-window groups, with the kv-cache events of the CPU tier.
 
 It owns the CPU pool and borrows the engine's GPU pool. In eager mode, per step it selects
 newly confirmed GPU blocks of every scheduled request, reserves CPU blocks for them, pins the
