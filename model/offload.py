@@ -198,6 +198,11 @@ class ResetRecord:
     cpu_idle: bool
 
 
+def _at(keys: list[BlockKey], index: int) -> BlockKey | None:
+    """The key of position ``index`` (None past the request's hashes)."""
+    return keys[index] if index < len(keys) else None
+
+
 class OffloadScheduler:
     """Eager CPU offloading for one engine. Method names follow vLLM's."""
 
@@ -499,9 +504,15 @@ class OffloadScheduler:
         """
         request = state.request
         num_free = self.cpu_pool.num_free_blocks
+        # Per group, the request's key of each position: what the scan, its records and the
+        # kv-cache events compare a block with.
+        keys = [
+            block_keys(request.digests, g, size, self.hash_block_size)
+            for g, size in enumerate(self.group_block_sizes)
+        ]
         candidates = [
             [
-                (i, self._scan_block(request, g, i, ids[i]))
+                (i, self._scan_block(request.request_id, g, i, ids[i], _at(keys[g], i)))
                 for i in range(
                     state.num_stored_blocks[g],
                     ready_blocks(request.num_computed_tokens, self.block_size, size, len(ids)),
@@ -514,13 +525,13 @@ class OffloadScheduler:
             [[reason is None for reason in group] for group in reasons], num_free
         )
         marks = self.dispositions[request.request_id]
-        chosen = [[candidates[g][j][1] for j in group] for g, group in enumerate(picks)]
+        chosen = [[candidates[g][j] for j in group] for g, group in enumerate(picks)]
         observed = [
-            self._observe(*candidates[g][j], self._position_key(request, g, candidates[g][j][0]))
-            for g, group in enumerate(picks)
-            for j in group
+            self._observe(i, block, _at(keys[g], i))
+            for g, group in enumerate(chosen)
+            for i, block in group
         ]
-        selected = [block.block_id for group in chosen for block in group]
+        selected = [block.block_id for group in chosen for _, block in group]
         for g, group in enumerate(candidates):
             for j in range(advanced[g]):
                 i, _ = group[j]
@@ -535,23 +546,23 @@ class OffloadScheduler:
         meta = None
         if self.config.kv_events:
             meta = [
-                self._store_meta(request, g, *candidates[g][j])
-                for g, group in enumerate(picks)
-                for j in group
+                self._store_meta(request, g, keys[g], i, block)
+                for g, group in enumerate(chosen)
+                for i, block in group
             ]
         return selected, advanced, meta
 
     def _store_meta(
-        self, request: Request, group: int, index: int, block: Block
+        self, request: Request, group: int, keys: list[BlockKey], index: int, block: Block
     ) -> dict[BlockKey, StoreMeta]:
-        """What position ``index`` of ``group`` covers in ``request``, under the selected
-        block's primary key and under every fine-grained key of the request inside it
-        (vLLM's ``BlockStoreMeta`` per hash): the tokens past the key before, and that key's
-        digest. As vLLM 0.34.0 captures it: the primary is the block's, the tokens are the
-        request's (EVENT-PAYLOAD says whether they agree)."""
+        """What position ``index`` of ``group`` covers in ``request`` (whose keys in that
+        group are ``keys``), under the selected block's primary key and under every
+        fine-grained key of the request inside it (vLLM's ``BlockStoreMeta`` per hash): the
+        tokens past the key before, and that key's digest. As vLLM 0.34.0 captures it: the
+        primary is the block's, the tokens are the request's (EVENT-STORED says whether they
+        agree)."""
         size, hbs = self.group_block_sizes[group], self.hash_block_size
         tokens = request.all_token_ids
-        keys = block_keys(request.digests, group, size, hbs)
         start = index * size
         assert block.block_hash is not None, f"selected GPU block {block.block_id} has no key"
         meta: dict[BlockKey, StoreMeta] = {
@@ -568,18 +579,20 @@ class OffloadScheduler:
                 meta[key] = (parent, tuple(tokens[j * hbs : (j + 1) * hbs]), hbs)
         return meta
 
-    def _scan_block(self, request: Request, group: int, index: int, block_id: int) -> Block:
-        """The GPU block the scan considers at a position of a table: the table's, or, where
-        a sliding window left the null block, the block the GPU prefix cache still holds
-        under the position's key (vLLM 0.30.0: the retained tail the window freed)."""
+    def _scan_block(
+        self, request_id: str, group: int, index: int, block_id: int, key: BlockKey | None
+    ) -> Block:
+        """The GPU block the scan considers at a position of a table whose key is ``key``:
+        the table's, or, where a sliding window left the null block, the block the GPU
+        prefix cache still holds under that key (vLLM 0.30.0: the retained tail the window
+        freed)."""
         block = self.gpu_pool.blocks[block_id]
-        key = self._position_key(request, group, index)
         if not block.is_null and not self.reused(group, block, key):
             return block
         recovered = None if key is None else self.recover_null_block(key)
         self.null_log.append(
             NullRecord(
-                request.request_id,
+                request_id,
                 group,
                 index,
                 key,
@@ -622,13 +635,6 @@ class OffloadScheduler:
             index,
             position_key,
         )
-
-    def _position_key(self, request: Request, group: int, index: int) -> BlockKey | None:
-        """The key of ``request``'s block ``index`` in ``group`` (None past its hashes)."""
-        keys = block_keys(
-            request.digests, group, self.group_block_sizes[group], self.hash_block_size
-        )
-        return keys[index] if index < len(keys) else None
 
     # -- completions ------------------------------------------------------------------------
 
@@ -715,25 +721,27 @@ class OffloadScheduler:
         block's primary, then its secondary keys, with what the selection captured for
         that key (vLLM 0.30.0's ``BlockStored`` payload, PR #54325); a key it captured
         nothing for has none (a primary still its group's block size, a secondary 0)."""
-        assert self.cpu_pool.events is not None
         for i, gpu_id in enumerate(transfer.gpu_block_ids):
-            gpu_block = self.gpu_pool.blocks[gpu_id]
             captured = transfer.meta[i] if transfer.meta is not None else {}
-            primary = gpu_block.block_hash
+            primary = self.gpu_pool.blocks[gpu_id].block_hash
             assert primary is not None
-            keys = [(primary, self.group_block_sizes[primary.group])]
-            keys += [(key, 0) for key in sorted(self.gpu_pool.secondary.get(gpu_id, set()))]
-            for key, size in keys:
-                parent, tokens, covered = captured.get(key, (None, (), size))
-                if key is primary:
-                    covered = size  # the primary's event is of its group's block size
-                if len(tokens) != covered:
-                    # What was captured is of another size (vLLM: "token_ids were sliced
-                    # with a different g_block_size"): the event carries nothing.
-                    parent, tokens = None, ()
-                event = KVEvent(STORED, key, parent, tokens, covered)
-                self.cpu_pool.events.append(event)
-                self.stored_log.append(StoredRecord(event, key in self.cpu_pool.cached))
+            parent, tokens, _ = captured.get(primary, (None, (), 0))
+            # The primary's event is of its group's block size, whatever was captured.
+            self._publish(primary, parent, tokens, self.group_block_sizes[primary.group])
+            for key in sorted(self.gpu_pool.secondary.get(gpu_id, set())):
+                self._publish(key, *captured.get(key, (None, (), 0)))
+
+    def _publish(
+        self, key: BlockKey, parent: str | None, tokens: tuple[int, ...], size: int
+    ) -> None:
+        assert self.cpu_pool.events is not None
+        if len(tokens) != size:
+            # What was captured is of another size (vLLM: "token_ids were sliced with a
+            # different g_block_size"): the event carries nothing.
+            parent, tokens = None, ()
+        event = KVEvent(STORED, key, parent, tokens, size)
+        self.cpu_pool.events.append(event)
+        self.stored_log.append(StoredRecord(event, key in self.cpu_pool.cached))
 
     def take_events(self) -> list[KVEvent]:
         """The kv-cache events since the last call (vLLM's ``take_events``)."""
