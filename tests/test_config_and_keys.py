@@ -26,6 +26,15 @@ def test_scheduler_block_size_is_the_lcm_of_group_sizes() -> None:
         ({"group_block_sizes": (16, 12), "hash_block_size": 8}, "does not divide group 1"),
         ({"gpu_blocks": 2.5}, "must be an int"),
         ({"gpu_blocks": True}, "must be an int"),
+        ({"lazy": 1}, "lazy must be a bool"),
+        ({"kv_events": "yes"}, "kv_events must be a bool"),
+        ({"sliding_windows": [None]}, "sliding_windows must be a tuple"),
+        ({"sliding_windows": (None, 4)}, "names 2 groups, group_block_sizes 1"),
+        ({"sliding_windows": (8,)}, "no full-attention group"),
+        (
+            {"group_block_sizes": (16, 16), "sliding_windows": (None, 0)},
+            r"sliding_windows\[1\] must be > 0",
+        ),
     ],
 )
 def test_bad_config_is_rejected_with_a_clear_message(
@@ -34,6 +43,26 @@ def test_bad_config_is_rejected_with_a_clear_message(
     base: dict[str, object] = {"gpu_blocks": 8, "cpu_blocks": 4}
     with pytest.raises(ConfigError, match=message):
         OffloadConfig(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_a_sliding_window_group_holds_only_its_window_s_blocks() -> None:
+    full = OffloadConfig(gpu_blocks=8, cpu_blocks=4, group_block_sizes=(4, 4), hash_block_size=4)
+    hybrid = OffloadConfig(
+        gpu_blocks=8,
+        cpu_blocks=4,
+        group_block_sizes=(4, 4),
+        hash_block_size=4,
+        sliding_windows=(None, 6),
+    )
+    assert [hybrid.window(0), hybrid.window(1), full.window(1)] == [None, 6, None]
+    # 40 tokens one at a time: 10 full-attention blocks; the window of 6 never holds more
+    # than 3 blocks at once (tokens 5 to 8 need the blocks of 0-3, 4-7 and 8-11)
+    assert full.blocks_for(40) == 20
+    assert hybrid.blocks_for(40) == 10 + 3
+    assert hybrid.blocks_for(3) == 1 + 1
+    # the lazy scan covers a window's blocks and one more for the window group
+    assert hybrid.lazy_target_free == 2 * (2048 // 4 + 2 + 1)
+    assert full.lazy_target_free == 2 * 2 * (2048 // 4)
 
 
 def test_equal_prefixes_give_equal_keys_and_groups_do_not_share_keys() -> None:

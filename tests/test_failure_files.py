@@ -132,6 +132,21 @@ def _bad_shapes() -> list[tuple[str, dict[str, Any], str]]:
         ),
         ("config lacking a field", _failure(config={"gpu_blocks": 4}), "config: missing fields"),
         ("bool as int", _failure(config=config | {"world_size": True}), "must be an int"),
+        (
+            "events not a bool",
+            _failure(config=config | {"kv_events": 1}),
+            "config kv_events must be a bool",
+        ),
+        (
+            "window not an int",
+            _failure(config=config | {"sliding_windows": [None, "3"]}),
+            "config sliding_windows must be a list of ints or nulls",
+        ),
+        (
+            "windows for another layout",
+            _failure(config=config | {"sliding_windows": [None, 3]}),
+            "names 2 groups, group_block_sizes 1",
+        ),
         ("empty program", _failure(program=[]), "program is empty"),
         ("unknown call", _failure(program=[["explode"]]), "unknown call 'explode'"),
         ("wrong arity", _failure(program=[["step"]]), "'step' takes 1 arguments, got 0"),
@@ -195,6 +210,17 @@ def test_a_failure_of_the_wrong_shape_is_refused(
 def test_a_failure_survives_its_round_trip() -> None:
     failure = validate(_failure())
     assert validate(failure.to_dict()) == failure
+    # a hybrid layout with events: the null of a full-attention group, a bool, in the file
+    # and in the program a reproducer prints
+    config = _failure()["config"] | {
+        "group_block_sizes": [4, 4],
+        "sliding_windows": [None, 3],
+        "kv_events": True,
+    }
+    hybrid = validate(_failure(config=config))
+    assert hybrid.config.sliding_windows == (None, 3) and hybrid.config.kv_events
+    assert validate(hybrid.to_dict()) == hybrid
+    assert "sliding_windows=(None, 3), kv_events=True" in hybrid.reproducer()
     assert failure.file_name == "impl-fixed.json"
     vllm = validate(_failure(adapter="vllm", release="0.29.0", variant="vllm-0.29"))
     assert vllm.file_name == "vllm-0.29.0-vllm-0.29.json"

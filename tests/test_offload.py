@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from kvoffload.model import NO_EVENT, DuplicateCompletionError
+from kvoffload.model import NO_EVENT, DuplicateCompletionError, OffloadConfig, OffloadModel
 from kvoffload.model.keys import block_keys, fine_key, prefix_digests
 from kvoffload.model.offload import Disposition
+from kvoffload.model.types import CLEARED, REMOVED, STORED, KVEvent
 
 from helpers import complete_all_stores, drain, make, prompt
 
@@ -334,3 +335,35 @@ def test_a_stale_store_completion_is_ignored_by_the_scheduler() -> None:
     model.engine.connector.update_connector_output(set(), {0: 1})
     assert model.snapshot() == before
     assert model.engine.connector.processed_store_events == [0]
+
+
+def test_kv_events_name_each_stored_key_with_its_tokens_and_each_eviction() -> None:
+    """With kv-cache events, a completed store publishes a ``stored`` event per key (its
+    tokens past the key before, and that key's digest as the parent), a CPU eviction a
+    ``removed`` event per key it drops, a reset that clears the cache ``cleared``; without
+    them nothing is published."""
+    tokens = [1, 2, 3, 4, 5, 6, 7, 8, 9]
+    quiet = make(gpu_blocks=10, cpu_blocks=3, group_block_sizes=(4,))
+    model = OffloadModel(OffloadConfig(10, 3, (4,), 4, kv_events=True), check=True)
+    for m in (quiet, model):
+        m.add_request("a", tokens, max_tokens=1)
+        m.step(16)
+        m.step(0)  # the final flush goes out
+        drain(m)
+    assert quiet.take_events() == []
+    keys = block_keys(prefix_digests(tokens, 4), 0, 4, 4)
+    assert model.take_events() == [
+        KVEvent(STORED, keys[0], None, (1, 2, 3, 4), 4),
+        KVEvent(STORED, keys[1], keys[0].digest, (5, 6, 7, 8), 4),
+    ]
+    assert model.take_events() == []  # drained
+    model.add_request("b", [7, 7, 7, 7, 7], max_tokens=1)
+    model.step(16)
+    model.step(0)
+    drain(model)
+    # the CPU pool holds two blocks: b's store evicts a's first one, the head of its queue
+    events = model.take_events()
+    assert events[0] == KVEvent(REMOVED, keys[0])
+    assert [e.kind for e in events[1:]] == [STORED]
+    assert model.reset()
+    assert model.take_events() == [KVEvent(CLEARED)]
