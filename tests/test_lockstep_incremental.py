@@ -33,7 +33,10 @@ class Twins:
     def compare(self, model: OffloadModel, target: Target, call: Call, n: int) -> str | None:
         if self.twin is None or self.twin[0] is not model:
             twin = OffloadModel(model.config, check=True)
-            self.twin = (model, twin, OffloadImpl(model.config, faults=self.faults, lockstep=True))
+            # Host memory, as the adapters' implementation: on CUDA a race the fault plants
+            # shows or not by timing, and the twins would disagree by chance.
+            impl = OffloadImpl(model.config, faults=self.faults, device="cpu", lockstep=True)
+            self.twin = (model, twin, impl)
         _, twin_model, twin_impl = self.twin
         before = lockstep._agreed(model, target)
         found = compare(model, target, call, n)
