@@ -49,6 +49,11 @@ class Load:
     finished: bool = False
 
 
+# What the connector reads of a scheduled request: its id, the block ids per group (the
+# whole table for a new or resumed request, else the step's new blocks), tokens scheduled.
+Scheduled = tuple[str, tuple[list[int], ...], int]
+
+
 @dataclass
 class Tracker:
     """Eager store tracking of one request."""
@@ -335,10 +340,11 @@ class Connector:
     # -- stores ---------------------------------------------------------------------------
 
     def build_meta(
-        self, scheduled: list[tuple[str, tuple[list[int], ...], int]]
+        self, scheduled: list[Scheduled], preempted: Sequence[str] = ()
     ) -> ConnectorMetadata:
-        """``scheduled``: (request id, new block ids per group, tokens scheduled), new
-        requests first, as vLLM's ``yield_req_data``."""
+        """``scheduled``: (request id, new block ids per group, tokens scheduled), new and
+        resumed requests first, as vLLM's ``yield_req_data``; ``preempted``: the requests
+        preempted this step."""
         gpu: list[int] = []
         cpu: list[int] = []
         reqs: list[str] = []
@@ -350,6 +356,9 @@ class Connector:
             gpu = self.select_lazy()
             cpu = self.reserve(gpu)
             self.gpu.pin(gpu)
+        if not self.lazy:
+            for rid in preempted:  # their blocks are gone: tables and cursors start over
+                self.forget_table(rid)
         for rid, new_ids, num_tokens in scheduled:
             tracker = self.trackers.get(rid)
             if tracker is None or tracker.finished:
@@ -406,6 +415,14 @@ class Connector:
             tuple(load_cpu),
             {e: tuple(r) for e, r in self.load_events.items()},
         )
+
+    def forget_table(self, rid: str) -> None:
+        """A preempted request's tracker: no table, cursors at 0."""
+        tracker = self.trackers.get(rid)
+        if tracker is not None:
+            for table in tracker.tables:
+                table.clear()
+            tracker.cursors[:] = [0] * len(tracker.tables)
 
     def select_lazy(self) -> list[int]:
         """Lazy mode: the keyed GPU blocks nearest eviction (the free queue from its front,
@@ -495,7 +512,8 @@ class Connector:
         primary = self.gpu.key[block]
         assert primary is not None, f"selected gpu block {block} has no key"
         parent = None if index == 0 else digests[index * per - 1]
-        meta = {primary: (parent, tuple(tokens[start : start + size]), size)}
+        # The primary's size is 0, as vLLM's BlockStoreMeta names none (model: _store_meta).
+        meta = {primary: (parent, tuple(tokens[start : start + size]), 0)}
         for j in range(start // hbs, (start + size) // hbs):
             key = request.fine_key(j, group)
             if key != primary:
@@ -621,6 +639,8 @@ class Connector:
                 events.append(KVEvent(STORED, primary, parent, token_ids, size))
                 for x in secondaries:
                     parent, token_ids, covered = captured.get(x, (None, (), 0))
+                    if len(token_ids) != covered:  # captured as a primary: nothing
+                        parent, token_ids = None, ()
                     events.append(KVEvent(STORED, block_key(x), parent, token_ids, covered))
 
     def take_events(self) -> list[KVEvent]:

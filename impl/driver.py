@@ -130,8 +130,8 @@ class OffloadImpl:
         require_int("token_budget", token_budget, 0)
         for w in self.workers:
             w.begin_step()
-        ranges, loading, scheduled = self.engine.step(token_budget)
-        meta = self.connector.build_meta(scheduled)
+        ranges, loading, scheduled, preempted = self.engine.step(token_budget)
+        meta = self.connector.build_meta(scheduled, preempted)
         for w in self.workers:
             for rid, (start, end) in ranges.items():
                 req = self.engine.requests[rid]
@@ -142,7 +142,7 @@ class OffloadImpl:
                 w.submit_store(meta.store_event, meta.store_gpu_blocks, meta.store_cpu_blocks)
             w.end_step()
         finished = self.engine.sample(ranges)
-        return StepResult(ranges, tuple(loading), tuple(finished), meta)
+        return StepResult(ranges, tuple(loading), tuple(finished), meta, tuple(preempted))
 
     def finish(self, request_id: str) -> FinishResult:
         req = self.engine.requests.get(request_id)

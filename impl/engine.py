@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from kvoffload.impl.connector import Connector, Copy
+from kvoffload.impl.connector import Connector, Copy, Scheduled
 from kvoffload.impl.pool import NULL, Pool, make_key
 from kvoffload.model.arith import reachable, skipped_blocks
 from kvoffload.model.keys import chain_digest
@@ -28,6 +28,7 @@ class Status(StrEnum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
@@ -123,27 +124,36 @@ class ImplEngine:
 
     def step(
         self, budget: int
-    ) -> tuple[dict[str, tuple[int, int]], list[str], list[tuple[str, tuple[list[int], ...], int]]]:
-        """Schedule one step: (token ranges, requests now loading, connector input)."""
+    ) -> tuple[dict[str, tuple[int, int]], list[str], list[Scheduled], list[str]]:
+        """Schedule one step: (token ranges, requests now loading, connector input,
+        requests preempted)."""
         ranges: dict[str, tuple[int, int]] = {}
-        new: list[tuple[str, tuple[list[int], ...], int]] = []
-        cached: list[tuple[str, tuple[list[int], ...], int]] = []
+        new: list[Scheduled] = []
+        cached: list[Scheduled] = []
         loading: list[str] = []
-        stalled = False
-        for rid in self.running:
-            if budget <= 0:
-                break
+        preempted: list[str] = []
+        index = 0
+        while index < len(self.running) and budget > 0:
+            rid = self.running[index]
             req = self.requests[rid]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
             sizes_before = [len(ids) for ids in self.table(rid)]
-            if not self.allocate(req, n):
-                stalled = True
+            ok = self.allocate(req, n)
+            while not ok:  # FCFS preemption: the last running request makes room
+                victim = self.running.pop()
+                self.preempt(victim)
+                preempted.append(victim)
+                if victim == rid:
+                    break
+                ok = self.allocate(req, n)
+            if not ok:
                 break
             added = tuple(ids[k:] for ids, k in zip(self.tables[rid], sizes_before, strict=True))
             cached.append((rid, added, n))
             ranges[rid] = (req.num_computed_tokens, req.num_computed_tokens + n)
             budget -= n
-        for rid in [] if stalled else list(self.waiting):
+            index += 1
+        for rid in [] if preempted else list(self.waiting):
             if budget <= 0:
                 break
             req = self.requests[rid]
@@ -181,7 +191,16 @@ class ImplEngine:
             new.append((rid, tuple(list(ids) for ids in self.tables[rid]), n))
             ranges[rid] = (start, start + n)
             budget -= n
-        return ranges, loading, new + cached
+        return ranges, loading, new + cached, preempted
+
+    def preempt(self, rid: str) -> None:
+        """Out of the running queue already: blocks freed, back to the waiting queue's front
+        with no computed token."""
+        req = self.requests[rid]
+        self.free_table(rid)
+        req.status = Status.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.insert(0, rid)
 
     def allocate(
         self,

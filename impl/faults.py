@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from kvoffload.impl.connector import Connector, Copy, Tracker
+from kvoffload.impl.connector import Connector, Copy, Scheduled, Tracker
 from kvoffload.impl.engine import ImplRequest
 from kvoffload.impl.pool import NULL, Pool
 from kvoffload.impl.validation import Validation
@@ -140,9 +140,9 @@ class PinDroppedEarly(Connector):
         self.early: set[int] = set()
 
     def build_meta(
-        self, scheduled: list[tuple[str, tuple[list[int], ...], int]]
+        self, scheduled: list[Scheduled], preempted: Sequence[str] = ()
     ) -> ConnectorMetadata:
-        meta = super().build_meta(scheduled)
+        meta = super().build_meta(scheduled, preempted)
         if meta.store_event != NO_EVENT:
             self.early.add(meta.store_event)
             self.gpu.release(self.stores[meta.store_event].gpu)
@@ -252,6 +252,16 @@ class WindowScanBreaks(Connector):
         return blocks if unkeyed is None else blocks[:unkeyed]
 
 
+class PreemptKeepsTable(Connector):
+    """vLLM <= 0.31.0 (S20, fixed in 0.32.0): a preempted request's tracker keeps its table
+    and cursors (reset only for a resumption flagged as resumed, which vLLM's newer model
+    runner never sends), so the resumed request's whole new table goes after the old one
+    and the blocks it computes again are never stored."""
+
+    def forget_table(self, rid: str) -> None:
+        pass
+
+
 class StoreSkipsComputeWait(Worker):
     """vLLM #45704: the store copy must wait on an event recorded after the step's compute;
     without the wait it can read KV the compute stream has not written yet."""
@@ -343,6 +353,7 @@ FAULTS: dict[str, Fault] = {
         Fault("window-tail-not-recovered", WindowTailNotRecovered, "RECOVER"),
         Fault("window-scan-breaks", WindowScanBreaks, "FLUSH-COMPLETE"),
         Fault("window-stale-ids", WindowStaleIds, "POSITION"),
+        Fault("preempt-keeps-table", PreemptKeepsTable, "TABLE"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

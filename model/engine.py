@@ -12,9 +12,14 @@ freed, and keep their keys in the free queue until evicted. Its hits are nulls u
 run of blocks the window needs. Of each scheduler block, only the blocks a hit can end
 with get keys.
 
-Not modelled: preemption (a running request that cannot get blocks waits for a later
-step, and no waiting request is admitted in that step), speculative decoding, Mamba,
-chunked local attention, encoder inputs.
+Preemption, as vLLM's scheduler does it first come first served (recompute): a running
+request that cannot get blocks preempts the last running request (itself, last of all): its
+blocks are freed, its computed tokens drop to 0 and it goes to the front of the waiting
+queue, keeping its output; no waiting request is admitted in a step that preempted. The
+connector sees the step's preempted ids, and a resumed request comes back as a new request
+with its whole block table (the shape of vLLM's newer model runner, 0.34.0's only one).
+
+Not modelled: speculative decoding, Mamba, chunked local attention, encoder inputs.
 
 Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 
@@ -58,6 +63,7 @@ class RequestStatus(StrEnum):
     WAITING = "waiting"
     WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"
     RUNNING = "running"
+    PREEMPTED = "preempted"
     FINISHED = "finished"
 
 
@@ -91,12 +97,14 @@ class Request:
 
 @dataclass(frozen=True)
 class SchedulerOutput:
-    """What ``build_connector_meta`` reads: new requests with their whole block table,
-    running requests with the blocks added this step, and tokens scheduled per request."""
+    """What ``build_connector_meta`` reads: new (and resumed) requests with their whole
+    block table, running requests with the blocks added this step, tokens scheduled per
+    request, and the requests preempted this step."""
 
     new_reqs: tuple[tuple[str, tuple[list[int], ...]], ...]
     cached_reqs: tuple[tuple[str, tuple[list[int], ...]], ...]
     num_scheduled_tokens: dict[str, int]
+    preempted_req_ids: frozenset[str] = frozenset()
 
     def req_data(self) -> Iterator[tuple[str, tuple[list[int], ...]]]:
         yield from self.new_reqs
@@ -160,16 +168,25 @@ class Engine:
         new_reqs: list[tuple[str, tuple[list[int], ...]]] = []
         cached_reqs: list[tuple[str, tuple[list[int], ...]]] = []
         loading: list[str] = []
-        running_blocked = False
+        preempted: list[str] = []
 
-        for req_id in self.running:
-            if budget <= 0:
-                break
+        index = 0
+        while index < len(self.running) and budget > 0:
+            req_id = self.running[index]
             req = self.requests[req_id]
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             before = [len(ids) for ids in self.blocks_of(req_id)]
-            if not self._allocate_slots(req, num_new):
-                running_blocked = True
+            allocated = self._allocate_slots(req, num_new)
+            while not allocated:
+                # vLLM's FCFS preemption: the last running request makes room, until the
+                # request itself is the one preempted.
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim == req_id:
+                    break
+                allocated = self._allocate_slots(req, num_new)
+            if not allocated:
                 break
             after = self.blocks_of(req_id)
             cached_reqs.append(
@@ -177,8 +194,9 @@ class Engine:
             )
             scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
             budget -= num_new
+            index += 1
 
-        for req_id in [] if running_blocked else list(self.waiting):
+        for req_id in [] if preempted else list(self.waiting):
             if budget <= 0:
                 break
             req = self.requests[req_id]
@@ -226,6 +244,7 @@ class Engine:
             tuple(new_reqs),
             tuple(cached_reqs),
             {req_id: end - start for req_id, (start, end) in scheduled.items()},
+            frozenset(preempted),
         )
         metadata = self.connector.build_connector_meta(output)
         # Computed tokens advance only after the connector has seen the step, so a block
@@ -239,7 +258,16 @@ class Engine:
                 if len(req.output) >= req.max_tokens:
                     self.finish_request(req_id)
                     finished.append(req_id)
-        return StepResult(scheduled, tuple(loading), tuple(finished), metadata)
+        return StepResult(scheduled, tuple(loading), tuple(finished), metadata, tuple(preempted))
+
+    def _preempt(self, request_id: str) -> None:
+        """vLLM's ``_preempt_request`` (the caller took it out of the running queue): its
+        blocks are freed, it starts over from the front of the waiting queue."""
+        req = self.requests[request_id]
+        self._free_blocks(request_id)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        self.waiting.insert(0, request_id)
 
     def _allocate_slots(
         self,

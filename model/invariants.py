@@ -51,6 +51,9 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
   block under its key; otherwise it takes the cached block in its place.
 - POSITION: a block a store scan takes for a position of a request holds that position's key
   (a sliding window's block, freed and reused by another position, is not that position's).
+- TABLE: the store state of a running tracked request names its blocks: as many per group as
+  its block table, the same block wherever the table holds one (a sliding window's nulls
+  stand where the state still names the block that left); a preempted one names none.
 - EVENT-STORED: a ``stored`` kv-cache event names a key the CPU map holds when it is
   published; the tokens it carries (if any) are ``block_size`` many and, chained from its
   parent digest in hash blocks, give that key's digest.
@@ -423,6 +426,24 @@ def position(state: Engine) -> Iterator[str]:
                 )
 
 
+def table(state: Engine) -> Iterator[str]:
+    null = state.gpu_pool.null_block.block_id
+    for req_id, store in state.connector.reqs_to_store.items():
+        status = state.requests[req_id].status
+        if store.finished or status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+            continue
+        for g, (named, ids) in enumerate(
+            zip(store.block_ids, state.blocks_of(req_id), strict=True)
+        ):
+            if len(named) != len(ids) or any(
+                a != b for a, b in zip(named, ids, strict=True) if b != null
+            ):
+                yield (
+                    f"the store state of {status} request {req_id} names group {g} blocks "
+                    f"{named}; its table holds {ids}"
+                )
+
+
 def event_stored(state: Engine) -> Iterator[str]:
     hbs = state.config.hash_block_size
     for r in state.connector.stored_log:
@@ -467,6 +488,7 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "WINDOW": window,
     "RECOVER": recover,
     "POSITION": position,
+    "TABLE": table,
     "EVENT-STORED": event_stored,
 }
 
@@ -523,6 +545,11 @@ def exercised(state: Engine) -> set[str]:
         ),
         "RECOVER": bool(c.null_log),
         "POSITION": any(s.picks for s in c.selection_log),
+        "TABLE": any(
+            state.requests[r].status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
+            for r, store in c.reqs_to_store.items()
+            if not store.finished
+        ),
         "EVENT-STORED": bool(c.stored_log),
         "NO-READ": any(
             r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED

@@ -77,7 +77,8 @@ class Disposition(StrEnum):
     DROPPED_CAPACITY = "dropped_capacity"
 
 
-# What a store captured for a key's ``stored`` event: (parent digest, token ids, block size).
+# What a store captured for a key's ``stored`` event: (parent digest, token ids, block size;
+# 0 for what was captured under the block's primary key, as vLLM names no size for it).
 StoreMeta = tuple[str | None, tuple[int, ...], int]
 
 
@@ -411,10 +412,17 @@ class OffloadScheduler:
         merged_cpu: list[int] = []
         merged_meta: list[dict[BlockKey, StoreMeta]] | None = [] if self.config.kv_events else None
         req_ids: list[str] = []
+        # vLLM 0.32.0 (bug S20 of docs/history.md): preemption freed the request's blocks; its
+        # table and cursors start over, whatever shape its resumption comes in (up to 0.31.0
+        # only a resumption flagged as such, which vLLM's newer model runner never sends).
+        for req_id in sorted(scheduler_output.preempted_req_ids):
+            self.forget_table(req_id)
         for req_id, new_block_ids in scheduler_output.req_data():
             state = self.reqs_to_store.get(req_id)
             if state is None or state.finished:
                 continue
+            # A resumed request's data is its whole table, as a new request's (0.33.0 clears
+            # the table for it too: by then preemption has cleared it).
             for g, ids in enumerate(new_block_ids):
                 state.block_ids[g].extend(ids)
             if scheduler_output.num_scheduled_tokens.get(req_id, 0) == 0:
@@ -434,6 +442,14 @@ class OffloadScheduler:
             for g, n in enumerate(advanced):
                 state.num_stored_blocks[g] += n
         return merged_gpu, merged_cpu, req_ids, merged_meta
+
+    def forget_table(self, req_id: str) -> None:
+        """A preempted request's store state: no table, every cursor at 0."""
+        state = self.reqs_to_store.get(req_id)
+        if state is not None:
+            for ids in state.block_ids:
+                ids.clear()
+            state.num_stored_blocks = [0] * len(state.block_ids)
 
     # -- lazy store selection ---------------------------------------------------------------
 
@@ -569,7 +585,10 @@ class OffloadScheduler:
             block.block_hash: (
                 None if index == 0 else keys[index - 1].digest,
                 tuple(tokens[start : start + size]),
-                size,
+                # vLLM's BlockStoreMeta of the primary names no block size: should that key
+                # be a secondary one at completion (a window's block reused at a finer
+                # position), its event is of size 0 and carries nothing.
+                0,
             )
         }
         for j in range(start // hbs, (start + size) // hbs):

@@ -38,13 +38,16 @@ class StepResult:
     ``scheduled`` maps each request computed this step to its token range ``[start, end)``;
     ``loading`` lists requests whose CPU load was set up this step (they compute nothing
     until it completes); ``finished`` lists requests that reached ``max_tokens`` and were
-    finished (connector told, GPU blocks freed).
+    finished (connector told, GPU blocks freed); ``preempted`` lists running requests that
+    made room for others (blocks freed, back to the front of the waiting queue), in the
+    order they were preempted.
     """
 
     scheduled: dict[str, tuple[int, int]]
     loading: tuple[str, ...]
     finished: tuple[str, ...]
     metadata: ConnectorMetadata
+    preempted: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)

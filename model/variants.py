@@ -23,9 +23,14 @@ breaks:
 - ``window-stale-ids``: vLLM 0.24.0 to 0.34.0 (live; found by the machine): the store scan
   takes the block its copy of a sliding-window table names at a position, though the window
   freed it and another position reused it. Caught by POSITION and EVENT-STORED.
+- ``preempt-keeps-table``: vLLM <= 0.31.0 (S20, fixed in 0.32.0): a preempted request's
+  store state starts over only when its resumption comes flagged as resumed (the older
+  model runner's shape); resumed as a new request, as vLLM's newer model runner does, it
+  keeps the old table and cursors and the new table goes after them, so the blocks it
+  computes again are never stored. Caught by TABLE.
 - ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``bug-53498-primary-only`` and
   ``bug-53498-no-final-flush``), ``serves-skip-reading``, ``window-no-recover``,
-  ``window-stale-ids``, and its
+  ``window-stale-ids``, ``preempt-keeps-table``, and its
   selection loop, whose cursors also pass over blocks that need no store while the CPU pool
   is full (``SharedBudgetScheduler``).
 
@@ -260,6 +265,17 @@ class WindowStaleIdsScheduler(OffloadScheduler):
         return False
 
 
+class PreemptKeepsTableScheduler(OffloadScheduler):
+    """vLLM <= 0.31.0 (S20; 0.32.0 starts over on ``preempted_req_ids``): the store state of a
+    preempted request is reset only for a resumption flagged as resumed, which vLLM's newer
+    model runner never sends (it resumes the request as a new one): the old table, whose
+    blocks preemption freed, and its cursors stay, and the new table is appended to them.
+    Caught by TABLE."""
+
+    def forget_table(self, req_id: str) -> None:
+        pass
+
+
 class AppendingPoolScheduler(OffloadScheduler):
     """vLLM before 0.24.0: both pools free every block to the tail of their queue
     (:class:`~kvoffload.model.block_pool.AppendingBlockPool`)."""
@@ -327,6 +343,7 @@ _VLLM_029 = (
     SharedBudgetScheduler,
     WindowNoRecoverScheduler,
     WindowStaleIdsScheduler,
+    PreemptKeepsTableScheduler,
 )
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
@@ -346,6 +363,7 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     "selection-0.29": SharedBudgetScheduler,
     "window-no-recover": WindowNoRecoverScheduler,
     "window-stale-ids": WindowStaleIdsScheduler,
+    "preempt-keeps-table": PreemptKeepsTableScheduler,
     "lazy-cursor": LazyCursorScheduler,
     "lazy-tail": LazyTailScheduler,
     "lazy-0.33": type("Lazy033Scheduler", (LazyCursorScheduler, LazyTailScheduler), {}),

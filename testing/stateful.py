@@ -473,6 +473,27 @@ class LoadingConformanceMachine(ConformanceMachine):
             ):
                 self.run(("finish", recalled), "evict", continued=True)
 
+    # Preemption (vLLM's recompute preemption, S20 of docs/history.md): requests that each
+    # fit the GPU pool alone but not together, prefilled in small chunks. A later chunk of
+    # the first finds the pool taken by the others and preempts the last one, which resumes
+    # (as a new request, with its output so far) once blocks are free again.
+    @precondition(lambda self: not self.model.live_requests())
+    @rule(
+        data=st.data(),
+        stems=st.lists(st.integers(0, 2), min_size=2, max_size=3),
+        chunk=st.integers(2, 6),
+        max_tokens=st.integers(1, 4),
+    )
+    def crowd(self, data: st.DataObject, stems: list[int], chunk: int, max_tokens: int) -> None:
+        longest = max(n for n in range(1, 65) if self.fits([0] * n, max_tokens))
+        for n, stem in enumerate(stems):
+            length = data.draw(st.integers(max(1, longest // 2), longest))
+            self.admit(_prompt(stem, length, []), max_tokens, "crowd", continued=n > 0)
+        for _ in range(SETTLE_ROUNDS):
+            if not self.model.live_requests():
+                break
+            self.run(("step", chunk), "crowd", continued=True)
+
     def run_until_computed(self, request_id: str, tokens: int, budget: int) -> None:
         """Steps until ``request_id`` has computed ``tokens`` (its prompt), at most
         ``SETTLE_ROUNDS``; its blocks stay held."""

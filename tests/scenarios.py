@@ -323,4 +323,26 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("drain",),
         ],
     ),
+    # Preemption (S20 of docs/history.md): two prompts of two blocks each in a pool of three,
+    # prefilled three tokens a step. r0's second chunk needs a block r1 took: r1 is preempted
+    # (blocks freed, computed tokens 0) and resumes as a new request once r0 has finished,
+    # with its whole new table; the connector's copy of its table starts over with it.
+    "preempt-and-resume": (
+        cfg(4, 2, (4,)),
+        [
+            ("add", "r0", [0, 1, 2, 3, 4], 3),
+            ("add", "r1", [5, 6, 0, 1, 2], 3),
+            ("step", 3),
+            ("step", 3),
+            ("step", 3),
+            ("step", 3),
+            ("drain",),
+            ("step", 8),
+            ("step", 8),
+            ("step", 8),
+            ("step", 8),
+            ("drain",),
+            ("lookup", [5, 6, 0, 1, 2]),
+        ],
+    ),
 }

@@ -106,3 +106,29 @@ def test_finish_aborts_a_waiting_request_that_never_ran() -> None:
     model.add_request("r", prompt(4), max_tokens=1)
     assert model.finish("r").flush_gpu_blocks == ()
     assert model.step(16).scheduled == {}
+
+
+def test_a_request_that_cannot_grow_preempts_the_last_running_one_which_resumes_as_new() -> None:
+    # Three usable blocks of 4 tokens; two prompts of 5 tokens prefilled 3 tokens a step.
+    model = make(gpu_blocks=4, cpu_blocks=2, group_block_sizes=(4,))
+    model.add_request("r0", [0, 1, 2, 3, 4], max_tokens=3)
+    model.add_request("r1", [5, 6, 0, 1, 2], max_tokens=3)
+    model.step(3)
+    model.step(3)
+    model.step(3)  # r0 samples its first token, r1 has 3 computed tokens in one block
+    engine = model.engine
+    assert engine.blocks_of("r1") == [[3]] and engine.requests["r1"].num_computed_tokens == 3
+    step = model.step(3)
+    # r0 decodes; r1 needs a second block, none is free: the last running request (r1
+    # itself) is preempted, its block freed, its computed tokens back to 0, first in line.
+    assert step.scheduled == {"r0": (6, 7)} and step.preempted == ("r1",)
+    r1 = engine.requests["r1"]
+    assert r1.status == "preempted" and r1.num_computed_tokens == 0
+    assert engine.waiting == ["r1"] and engine.blocks_of("r1") == [[]]
+    assert engine.connector.reqs_to_store["r1"].block_ids == ([],)  # the table starts over
+    assert engine.connector.reqs_to_store["r1"].num_stored_blocks == [0]
+    drain(model)
+    resumed = model.step(8)
+    # Back as a new request: recomputed from its first token, whole table to the connector.
+    assert resumed.scheduled == {"r1": (0, 5)} and r1.status == "running"
+    assert engine.connector.reqs_to_store["r1"].block_ids == tuple(engine.blocks_of("r1"))

@@ -36,6 +36,7 @@ FAULT_SCENARIO = {
     "window-tail-not-recovered": "window-block-recovered",
     "window-scan-breaks": "window-scan-passes-unkeyed",
     "window-stale-ids": "window-block-reused",
+    "preempt-keeps-table": "preempt-and-resume",
 }
 
 

@@ -62,7 +62,7 @@ def test_each_release_runs_once_with_each_check_once_in_release_order() -> None:
     assert list(plan) == ["0.29.0", "0.30.0", "0.33.0", "0.34.0"]
     assert len(plan["0.29.0"]) == 2  # S9 and S10, one process
     assert plan["0.30.0"] == [
-        Check("lazy-0.33+window-stale-ids", "conform", "0.30.0 conforms")
+        Check("lazy-0.33+window-stale-ids+preempt-keeps-table", "conform", "0.30.0 conforms")
     ]  # once for both
     every = history.checks_by_release(select("S9"), releases=True)
     assert list(every) == sorted(RELEASES, key=_version)
@@ -198,6 +198,20 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
             ("step", 8),
             ("step", 8),
             ("drain",),
+            ("step", 8),
+        ],
+    ),
+    # r0's final flush still holds a GPU block when r1's prompt needs its third: r1, the
+    # last running request, preempts itself; up to 0.31.0 its store table is kept
+    "S20": (
+        SMALL,
+        [
+            ("add", "r0", [0, 1, 2, 3], 2),
+            ("step", 2),
+            ("step", 2),
+            ("step", 2),
+            ("add", "r1", [7, 1, 2, 3, 4, 5, 6, 0, 1], 4),
+            ("step", 8),
             ("step", 8),
         ],
     ),

@@ -155,3 +155,18 @@ def test_the_0_29_selection_passes_over_what_needs_no_store_when_the_pool_is_ful
     assert plan_selection_029(storable, 0) == ([[], []], [1, 0], True)
     # With room, both take the same blocks and pass the same ones.
     assert plan_selection_029(storable, 2) == plan_selection(storable, 2)
+
+
+def test_preempt_keeps_table_appends_the_resumed_table_and_table_catches_it() -> None:
+    model = OffloadModel(
+        make(gpu_blocks=4, cpu_blocks=2, group_block_sizes=(4,)).config,
+        variant="preempt-keeps-table",
+        check=False,
+    )
+    model.add_request("r0", [0, 1, 2, 3, 4], max_tokens=3)
+    model.add_request("r1", [5, 6, 0, 1, 2], max_tokens=3)
+    for _ in range(4):
+        model.step(3)  # the fourth step preempts r1
+    state = model.engine.connector.reqs_to_store["r1"]
+    assert state.block_ids == ([3],)  # the freed block is still named
+    assert [v.invariant for v in violations(model.engine)] == ["TABLE"]

@@ -60,6 +60,8 @@ _LAZY = "lazy-0.33"
 # Live in every release that draws sliding windows (0.24.0 to 0.34.0), so every model of them
 # includes it: the scan stores a window block freed and reused by another position.
 _LIVE = "window-stale-ids"
+# Up to 0.31.0 (S20): a preempted request resumed as a new one keeps its old store table.
+_S20 = "preempt-keeps-table"
 BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S1",
@@ -139,8 +141,8 @@ BUGS: list[HistoricalBug] = [
         "no final flush at request finish",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S12}+{_S14}+selection-0.29+{_LIVE}",
-        f"{_LAZY}+{_LIVE}",
+        f"{_S10}+{_S12}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}",
         "pending_flushes",
         "0.29.0's registration (S10), CPU hits for requests that skip reading (S12), "
         "window scan (S14) and selection loop modelled",
@@ -151,8 +153,8 @@ BUGS: list[HistoricalBug] = [
         "stores registered without _insert_block_hash: stamped primary, no secondary keys",
         "0.29.0",
         "0.30.0",
-        f"{_S9}+{_S12}+{_S14}+selection-0.29+{_LIVE}",
-        f"{_LAZY}+{_LIVE}",
+        f"{_S9}+{_S12}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}",
         "snapshots differ in ['cpu']",
         "0.29.0's missing final flush (S9), CPU hits for requests that skip reading (S12), "
         "window scan (S14) and selection loop modelled",
@@ -172,8 +174,8 @@ BUGS: list[HistoricalBug] = [
         "skip_reading_prefix_cache not respected: a CPU hit served to a prompt-logprobs request",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S9}+{_S14}+selection-0.29+{_LIVE}",
-        f"{_LAZY}+{_LIVE}",
+        f"{_S10}+{_S9}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}",
         "'loads'",
         "0.29.0's registration (S10), missing final flush (S9), window scan (S14) and "
         "selection loop modelled",
@@ -192,8 +194,8 @@ BUGS: list[HistoricalBug] = [
         "sliding-window retained tail nulled in the block table, never stored",
         "0.29.0",
         "0.30.0",
-        f"{_S10}+{_S9}+{_S12}+selection-0.29+{_LIVE}",
-        f"{_LAZY}+{_LIVE}",
+        f"{_S10}+{_S9}+{_S12}+selection-0.29+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}",
         "tracked",
         "0.29.0's registration (S10), missing final flush (S9), CPU hits for requests that "
         "skip reading (S12) and selection loop modelled",
@@ -244,7 +246,10 @@ BUGS: list[HistoricalBug] = [
         "eager-store placement reset on preemption (MRV2)",
         "0.31.0",
         "0.32.0",
-        out_of_reach="preemption",
+        f"{_LAZY}+{_LIVE}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        "tracked",
+        "0.31.0's lazy mode (S26, S27) and reset (S21) modelled",
     ),
     HistoricalBug(
         "S21",
@@ -252,10 +257,10 @@ BUGS: list[HistoricalBug] = [
         "reset() keeps the pins of CPU hits not yet allocated",
         "0.31.0",
         "0.32.0",
-        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}+{_S20}",
         f"reset-releases-hits+{_LAZY}+{_LIVE}",
         "pending_hits",
-        "0.31.0's lazy mode (S26, S27) modelled",
+        "0.31.0's lazy mode (S26, S27) and resumption (S20) modelled",
     ),
     HistoricalBug(
         "S22",

@@ -220,7 +220,7 @@ class VllmConnector:
                 num_common_prefix_blocks=[0] * self.num_groups,
                 finished_req_ids=set(self.finished_since_step),
                 free_encoder_mm_hashes=[],
-                preempted_req_ids=set(),
+                preempted_req_ids=set(output.preempted_req_ids),
                 kv_connector_block_state=None,
             )
         )

@@ -65,10 +65,11 @@ RELEASES = {
             (
                 Check("fixed", "disagree", "a bug of #53498 against the fixed model"),
                 Check(
-                    "bug-53498-primary-only+serves-skip-reading+window-no-recover+window-stale-ids",
+                    "bug-53498-primary-only+serves-skip-reading+window-no-recover+window-stale-ids"
+                    "+preempt-keeps-table+selection-0.29",
                     "disagree",
-                    "with its registration, its CPU hits for requests that skip reading and "
-                    "its window scan modelled, the missing final flush",
+                    "with its registration, its CPU hits for requests that skip reading, its "
+                    "window scan, resumption and selection loop modelled, the missing final flush",
                     # seen as a queued flush in the snapshot, or in a finish's result
                     finds="flush",
                 ),
@@ -81,10 +82,11 @@ RELEASES = {
         ),
         *_conforming(
             ["0.30.0", "0.31.0"],
-            "lazy-0.33+window-stale-ids",
-            "PR #53532 (0.30.0 is the first); lazy mode's scan cursor and return to the tail",
-            "the fixed model, with the lazy mode of 0.30.0 to 0.33.0 (S26, S27) and the "
-            "window scan's reused blocks",
+            "lazy-0.33+window-stale-ids+preempt-keeps-table",
+            "PR #53532 (0.30.0 is the first); lazy mode's scan cursor and return to the tail; "
+            "a resumed request's old store table kept (S20)",
+            "the fixed model, with the lazy mode of 0.30.0 to 0.33.0 (S26, S27), the "
+            "window scan's reused blocks and the store table kept across preemption",
         ),
         *_conforming(
             ["0.32.0", "0.33.0"],
