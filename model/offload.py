@@ -536,6 +536,7 @@ class OffloadScheduler:
             ]
             for g, (ids, size) in enumerate(zip(block_ids, self.group_block_sizes, strict=True))
         ]
+        candidates = [self.scannable(group) for group in candidates]
         reasons = [[self._classify(block) for _, block in group] for group in candidates]
         picks, advanced, full = self.plan(
             [[reason is None for reason in group] for group in reasons], num_free
@@ -567,6 +568,11 @@ class OffloadScheduler:
                 for i, block in group
             ]
         return selected, advanced, meta
+
+    def scannable(self, candidates: list[tuple[int, Block]]) -> list[tuple[int, Block]]:
+        """The positions of a group the scan goes over: all of them (an unkeyed block is
+        passed over, its cursor advancing, since 0.22.0)."""
+        return candidates
 
     def _store_meta(
         self, request: Request, group: int, keys: list[BlockKey], index: int, block: Block

@@ -44,7 +44,12 @@ Older releases had more bugs, fixed before #53532 (``docs/history.md``):
 - ``step-dedup``: vLLM <= 0.21.0 (PR #41289, in 0.22.0): stores are deduplicated within a
   step only, so a GPU block whose store is in flight is stored again by the next step's
   scan. Caught by IN-FLIGHT (nothing is in flight between steps).
-- ``vllm-0.21``: vLLM 0.19.0 to 0.21.0 as they are: ``vllm-0.29`` with both.
+- ``scan-breaks-unhashed``: vLLM <= 0.21.0 (PR #42296, S3's fix, in 0.22.0): the eager scan
+  of a group stops at the first block without a key instead of passing over it. With full
+  attention alone the machine meets one only in the table a preempted request kept
+  (``preempt-keeps-table``): a block freed at preemption and allocated again, not yet full.
+  No state invariant demands the pass: the machine finds it as a difference.
+- ``vllm-0.21``: vLLM 0.19.0 to 0.21.0 as they are: ``vllm-0.29`` with all three.
 
 Lazy mode had two bugs up to 0.33.0, fixed in 0.34.0 (the lazy scan of vLLM 0.30.0 to 0.33.0
 is the same code):
@@ -276,6 +281,17 @@ class PreemptKeepsTableScheduler(OffloadScheduler):
         pass
 
 
+class ScanBreaksUnhashedScheduler(OffloadScheduler):
+    """vLLM <= 0.21.0 (PR #42296 passes over them from 0.22.0): the eager scan of a group
+    stops at the first block that is not null and holds no key; its cursor stays there."""
+
+    def scannable(self, candidates: list[tuple[int, Block]]) -> list[tuple[int, Block]]:
+        for j, (_, block) in enumerate(candidates):
+            if not block.is_null and block.block_hash is None:
+                return candidates[:j]
+        return candidates
+
+
 class AppendingPoolScheduler(OffloadScheduler):
     """vLLM before 0.24.0: both pools free every block to the tail of their queue
     (:class:`~kvoffload.model.block_pool.AppendingBlockPool`)."""
@@ -357,9 +373,16 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     "vllm-0.23": type("Vllm023Scheduler", (*_VLLM_029, AppendingPoolScheduler), {}),
     "vllm-0.21": type(
         "Vllm021Scheduler",
-        (NoHitPinsScheduler, StepDedupScheduler, *_VLLM_029, AppendingPoolScheduler),
+        (
+            NoHitPinsScheduler,
+            StepDedupScheduler,
+            ScanBreaksUnhashedScheduler,
+            *_VLLM_029,
+            AppendingPoolScheduler,
+        ),
         {},
     ),
+    "scan-breaks-unhashed": ScanBreaksUnhashedScheduler,
     "selection-0.29": SharedBudgetScheduler,
     "window-no-recover": WindowNoRecoverScheduler,
     "window-stale-ids": WindowStaleIdsScheduler,

@@ -170,3 +170,33 @@ def test_preempt_keeps_table_appends_the_resumed_table_and_table_catches_it() ->
     state = model.engine.connector.reqs_to_store["r1"]
     assert state.block_ids == ([3],)  # the freed block is still named
     assert [v.invariant for v in violations(model.engine)] == ["TABLE"]
+
+
+def test_scan_breaks_unhashed_stops_at_the_block_a_kept_table_names_again() -> None:
+    # r2 is preempted and comes back with its old table kept (vLLM <= 0.31.0); the pool of
+    # 0.23.0 gives it its old block again, its key dropped, for the new table's second
+    # position. With the CPU pool full (r1's store in flight), 0.29.0's selection passes
+    # over the blocks that need no store: from 0.22.0 that unkeyed block in the old table
+    # too; up to 0.21.0 the scan stops there, its cursor staying put.
+    cursors = {}
+    for variant in (
+        "pool-0.23+selection-0.29+preempt-keeps-table",
+        "pool-0.23+selection-0.29+preempt-keeps-table+scan-breaks-unhashed",
+    ):
+        model = OffloadModel(
+            make(gpu_blocks=4, cpu_blocks=2, group_block_sizes=(4,)).config,
+            variant=variant,
+            check=False,
+        )
+        model.add_request("r1", [0, 1, 2, 3], max_tokens=2)
+        model.add_request("r2", [0, 1, 2, 3], max_tokens=3)
+        for _ in range(3):
+            model.step(8)
+        state = model.engine.connector.reqs_to_store["r2"]
+        assert state.block_ids == ([2, 1, 2],)  # the old table, then the new one
+        assert model.engine.gpu_pool.blocks[2].block_hash is None
+        cursors[variant] = state.num_stored_blocks
+    assert cursors == {
+        "pool-0.23+selection-0.29+preempt-keeps-table": [1],
+        "pool-0.23+selection-0.29+preempt-keeps-table+scan-breaks-unhashed": [0],
+    }
