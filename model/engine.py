@@ -127,6 +127,9 @@ class Engine:
         self, config: OffloadConfig, connector_cls: type[OffloadScheduler] = OffloadScheduler
     ) -> None:
         self.config = config
+        # The machine draws no preemption against the releases whose pool cannot take it
+        # (OffloadScheduler.preempts): there a running request that cannot grow waits.
+        self.preemption = connector_cls.preempts
         # Both pools are of the release's kind (a variant may name an older BlockPool).
         self.gpu_pool = connector_cls.pool_class(config.gpu_blocks, "gpu")
         self.connector = connector_cls(config, self.gpu_pool)
@@ -169,6 +172,7 @@ class Engine:
         cached_reqs: list[tuple[str, tuple[list[int], ...]]] = []
         loading: list[str] = []
         preempted: list[str] = []
+        blocked = False  # a running request could not grow and preempted nobody
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -177,6 +181,9 @@ class Engine:
             num_new = min(req.num_tokens - req.num_computed_tokens, budget)
             before = [len(ids) for ids in self.blocks_of(req_id)]
             allocated = self._allocate_slots(req, num_new)
+            if not allocated and not self.preemption:
+                blocked = True
+                break
             while not allocated:
                 # vLLM's FCFS preemption: the last running request makes room, until the
                 # request itself is the one preempted.
@@ -196,7 +203,7 @@ class Engine:
             budget -= num_new
             index += 1
 
-        for req_id in [] if preempted else list(self.waiting):
+        for req_id in [] if preempted or blocked else list(self.waiting):
             if budget <= 0:
                 break
             req = self.requests[req_id]

@@ -208,6 +208,9 @@ class OffloadScheduler:
     """Eager CPU offloading for one engine. Method names follow vLLM's."""
 
     pool_class: type[BlockPool] = BlockPool  # the kind of both pools, GPU and CPU
+    # Whether the machine draws preemption against this model (the engine preempts as
+    # vLLM's scheduler does); False for the pools before 0.24.0 (docs/upstream.md).
+    preempts: bool = True
 
     def __init__(self, config: OffloadConfig, gpu_pool: BlockPool) -> None:
         self.config = config

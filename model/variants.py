@@ -294,9 +294,15 @@ class ScanBreaksUnhashedScheduler(OffloadScheduler):
 
 class AppendingPoolScheduler(OffloadScheduler):
     """vLLM before 0.24.0: both pools free every block to the tail of their queue
-    (:class:`~kvoffload.model.block_pool.AppendingBlockPool`)."""
+    (:class:`~kvoffload.model.block_pool.AppendingBlockPool`). Their ``free_blocks``
+    decrements every block's count first and then appends each block at 0 as often as the
+    list names it, which corrupts the linked free queue; a store that names a block twice
+    (the table a preempted request keeps, ``preempt-keeps-table``) does. So that the machine
+    compares those releases with a model, their engine does not preempt: a running request
+    that cannot grow waits, as the model's engine did before preemption was modelled."""
 
     pool_class = AppendingBlockPool
+    preempts = False
 
 
 class ResetReleasesHitsScheduler(OffloadScheduler):

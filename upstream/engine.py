@@ -30,7 +30,7 @@ from kvoffload.model.keys import BlockKey
 from kvoffload.model.offload import Disposition, OffloadScheduler, Transfer
 from kvoffload.model.types import ConnectorMetadata
 from kvoffload.upstream.keymap import KeyMap
-from kvoffload.upstream.vllm_world import World, keywords, queued_final_flushes
+from kvoffload.upstream.vllm_world import World, keywords, preemption_drawn, queued_final_flushes
 
 
 class VllmRequest(Request):
@@ -271,6 +271,7 @@ class VllmEngine(Engine):
         # Duck-typed: the facades have the methods of the model's classes the engine calls.
         self.gpu_pool = cast(BlockPool, self.vllm_pool)
         self.connector = cast(OffloadScheduler, VllmConnector(world, self.requests))
+        self.preemption = preemption_drawn()
 
     def add_request(
         self,

@@ -57,6 +57,14 @@ def version_numbers() -> tuple[int, int, int]:
     return (0, 0, 0) if found is None else (int(found[1]), int(found[2]), int(found[3]))
 
 
+def preemption_drawn() -> bool:
+    """Whether the engine preempts against the running vLLM: not before 0.24.0, whose
+    ``BlockPool.free_blocks`` appends a block once per mention in its list, corrupting the
+    linked free queue when a store names a block twice (docs/upstream.md), as the table a
+    preempted request keeps up to 0.31.0 makes it do (S20)."""
+    return not (0, 0, 0) < version_numbers() < (0, 24, 0)
+
+
 def supported(config: OffloadConfig) -> str | None:
     """Why vLLM rejects ``config``, or None. One group must hash whole blocks (vLLM's
     ``UnitaryKVCacheCoordinator`` asserts ``hash_block_size == block_size``)."""
