@@ -18,6 +18,8 @@ blocks are freed, its computed tokens drop to 0 and it goes to the front of the 
 queue, keeping its output; no waiting request is admitted in a step that preempted. The
 connector sees the step's preempted ids, and a resumed request comes back as a new request
 with its whole block table (the shape of vLLM's newer model runner, 0.34.0's only one).
+Against the models of vLLM before 0.24.0 (whose pool cannot take what follows a preemption,
+``OffloadScheduler.preempts``) a running request that cannot grow waits instead.
 
 Not modelled: speculative decoding, Mamba, chunked local attention, encoder inputs.
 
