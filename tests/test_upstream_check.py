@@ -52,6 +52,10 @@ def test_a_verdict_is_judged_against_its_expectation() -> None:
     assert "none found" in str(judge(disagree, {"conforms": True, "disagreement": None}))
     other = {"conforms": False, "disagreement": "snapshots differ in ['cpu']"}
     assert "found another" in str(judge(disagree, other))
+    # alternatives: either way the bug can show first
+    either = Check("fixed", "disagree", "", finds="tracked|pending_flushes")
+    assert judge(either, found) is None
+    assert "found another" in str(judge(either, other))
 
 
 def test_a_release_not_installed_is_named_with_the_command_that_installs_it(

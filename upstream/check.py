@@ -210,7 +210,8 @@ def judge(check: Check, result: dict[str, Any]) -> str | None:
         return None if result["conforms"] else "expected to conform, but it disagrees"
     if result["conforms"]:
         return "expected a disagreement, none found"
-    if check.finds and check.finds not in result["disagreement"]:
+    # ``finds`` may name alternatives, ``a|b``: the ways the bug can show first.
+    if check.finds and not any(w in result["disagreement"] for w in check.finds.split("|")):
         return f"expected a disagreement in {check.finds!r}, found another"
     return None
 

@@ -267,8 +267,9 @@ def page(
 ) -> str:
     methods = "\n".join(
         f"- **{r.bug.id}** ({r.bug.title}): vllm=={r.bug.buggy} against `{r.bug.isolation}` "
-        f"({r.bug.method}); the first difference must name `{r.bug.finds}`; vllm=={r.bug.fixed} "
-        f"against `{r.bug.fixed_variant}`."
+        f"({r.bug.method}); the first difference must name "
+        f"{' or '.join(f'`{w}`' for w in (r.bug.finds or '').split('|'))}; "
+        f"vllm=={r.bug.fixed} against `{r.bug.fixed_variant}`."
         for r in results
         if r.bug.in_scope
     )

@@ -3,8 +3,8 @@
 A release is checked against one or more variants of the model
 (:mod:`kvoffload.model.variants`), each with the verdict the check must reach: ``conform``,
 or ``disagree`` where the release has a known bug that the machine must find by itself
-(``finds``: words the first difference must contain). The findings behind each row are
-written up in ``docs/upstream.md``.
+(``finds``: words the first difference must contain, or one of ``a|b``). The findings
+behind each row are written up in ``docs/upstream.md``.
 """
 
 from __future__ import annotations
