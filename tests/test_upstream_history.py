@@ -316,7 +316,8 @@ def test_each_counterexample_shows_its_bug_and_conforms_once_fixed(version: str)
         if words is None:
             assert got is None, f"{bug} in {version} vs {variant}: {got}"
         else:
-            assert got is not None and words in got, f"{bug} in {version} vs {variant}: {got}"
+            found = got is not None and any(w in got for w in words.split("|"))
+            assert found, f"{bug} in {version} vs {variant}: {got}"
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.34.0"])
