@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from kvoffload.model import OffloadModel, violations
+from kvoffload.impl import OffloadImpl
+from kvoffload.model import OffloadConfig, OffloadModel, violations
+from kvoffload.model.keys import BlockKey
+from kvoffload.testing.lockstep import Call, apply
 
 from helpers import complete_all_stores, make, prompt, waiting_on_a_pinned_hit
 
@@ -203,3 +206,48 @@ def test_scan_breaks_unhashed_stops_at_the_block_a_kept_table_names_again() -> N
         "pool-0.23+selection-0.29+preempt-keeps-table": [1],
         "pool-0.23+selection-0.29+preempt-keeps-table+scan-breaks-unhashed": [0],
     }
+
+
+def test_the_model_of_a_pool_before_0_24_waits_instead_of_preempting() -> None:
+    # The crowd of test_engine's preemption test: with the pool of 0.23.0 the machine draws
+    # no preemption (its free queue cannot take the store that follows, docs/upstream.md),
+    # so r1 waits for a block instead of being preempted, and keeps its table.
+    model = OffloadModel(
+        make(gpu_blocks=4, cpu_blocks=2, group_block_sizes=(4,)).config,
+        variant="pool-0.23",
+    )
+    model.add_request("r0", [0, 1, 2, 3, 4], max_tokens=3)
+    model.add_request("r1", [5, 6, 0, 1, 2], max_tokens=3)
+    for _ in range(3):
+        model.step(3)
+    blocked = model.step(3)
+    assert blocked.scheduled == {"r0": (6, 7)} and blocked.preempted == ()
+    r1 = model.engine.requests["r1"]
+    assert r1.status == "running" and r1.num_computed_tokens == 3
+    assert model.engine.blocks_of("r1") == [[3]]
+
+
+def test_a_key_captured_as_a_primary_and_stored_as_a_secondary_has_an_empty_event() -> None:
+    # vLLM 0.30.0 to 0.34.0 (window-stale-ids): the scan takes for the window group's
+    # position 0 a block the full-attention group reused, captured under its key then (g0@12,
+    # the prefix of 12 tokens); at completion that key is the block's secondary one. vLLM's
+    # capture under a primary names no block size, so the event has size 0 and no tokens.
+    config = OffloadConfig(8, 12, (8, 4), 4, 1, False, sliding_windows=(None, 3), kv_events=True)
+    program: list[Call] = [
+        ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6], 3),
+        *[("step", 3)] * 7,
+        ("store", 0, 0),
+    ]
+    model = OffloadModel(config, variant="window-stale-ids")
+    for call in program:
+        apply(model, call)
+    events = {e.key: e for e in model.take_events()}
+    reused = next(e for k, e in events.items() if k.group == 0 and k.num_tokens == 12)
+    assert isinstance(reused.key, BlockKey)
+    assert (reused.token_ids, reused.block_size, reused.parent) == ((), 0, None)
+    # The implementation with the same scan publishes the same events (its bytes for that
+    # block are another position's, which is what its byte check is for).
+    impl = OffloadImpl(config, faults=["window-stale-ids"], device="cpu", lockstep=True)
+    for call in program:
+        apply(impl, call)
+    assert sorted(map(str, impl.take_events())) == sorted(map(str, events.values()))
