@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from kvoffload.impl.copy import CopyPlan, rows
+from kvoffload.impl.copy import CopyPlan, mapped_pays, mapped_view, rows
 from kvoffload.impl.driver import OffloadImpl, default_device
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.types import NO_EVENT, StepResult
@@ -79,6 +79,10 @@ class CopyResult:
     contiguous_gbps: float
     naive_gbps: float
     block_memmove_gbps: float | None  # the C library's memmove, block by block (host only)
+    # CUDA, page-locked host memory: the plan forced to one DMA per host run, and forced to
+    # kernels over the mapped host memory; ``batched`` is the one the worker picks.
+    dma_gbps: float | None = None
+    mapped_gbps: float | None = None
 
     @property
     def ratio(self) -> float:
@@ -136,18 +140,33 @@ def copy_case(
     device: torch.device,
     budget_s: float,
     peak_gbps: float | None,
-) -> tuple[float, float, float, float, float | None]:
+) -> tuple[float, float, float, float, float | None, float | None, float | None]:
     """GB/s of the limit, the worker's batched path, one contiguous torch copy, a loop of one
     torch copy per block and (host memory only) a loop of one memmove per block, copying
-    blocks ``src_ids`` of ``src`` into ``dst``'s first rows."""
+    blocks ``src_ids`` of ``src`` into ``dst``'s first rows; on CUDA with page-locked host
+    memory, then the plan forced to DMAs and forced to kernels over mapped host memory."""
     n = len(src_ids)
     row = dst[0].numel() * dst.element_size()
     nbytes = n * row
     dst_ids = list(range(n))
     src_rows, dst_rows = rows(src), rows(dst)  # the worker keeps these views beside its KV
+    to_device = src.device.type == "cpu"
+    host_rows = src_rows if to_device else dst_rows
+    view = mapped_view(host_rows, device) if peak_gbps is not None else None
+    src_view, dst_view = (view, dst_rows) if to_device else (src_rows, view)
 
-    def batched() -> None:
-        CopyPlan(src_ids, dst_ids, src.device, dst.device).run_rows(src_rows, dst_rows)
+    def plan(mapped: bool) -> Callable[[], None]:
+        s, d = (src_view, dst_view) if mapped else (src_rows, dst_rows)
+        assert s is not None and d is not None
+
+        def run() -> None:
+            CopyPlan(src_ids, dst_ids, src.device, dst.device, mapped=mapped).run_rows(s, d)
+
+        return run
+
+    def batched() -> None:  # what the worker does: mapped where that pays
+        host_ids = src_ids if to_device else dst_ids
+        plan(view is not None and mapped_pays(host_ids, row))()
 
     def contiguous() -> None:
         dst[:n].copy_(src[:n], non_blocking=True)
@@ -170,11 +189,14 @@ def copy_case(
                 ctypes.memmove(target, source, row)
 
         fns += [limit, block_memmove]
+    elif view is not None:
+        fns += [plan(False), plan(True)]
     seconds = best_seconds(fns, device, budget_s)
     rates = [nbytes / s / 1e9 for s in seconds]
-    if peak_gbps is not None:
-        return peak_gbps, rates[0], rates[1], rates[2], None
-    return rates[3], rates[0], rates[1], rates[2], rates[4]
+    if peak_gbps is None:
+        return rates[3], rates[0], rates[1], rates[2], rates[4], None, None
+    dma, mapped = (rates[3], rates[4]) if view is not None else (None, None)
+    return peak_gbps, rates[0], rates[1], rates[2], None, dma, mapped
 
 
 def copy_bandwidth(
@@ -439,6 +461,10 @@ def machine() -> str:
     return f"{name}, {os.cpu_count()} cores, torch {torch.__version__}"
 
 
+def _gbps(rate: float | None) -> str:
+    return "-" if rate is None else f"{rate:.2f}"
+
+
 def _met(flag: bool) -> str:
     return "met" if flag else "NOT met"
 
@@ -499,16 +525,27 @@ def report(bench: Bench) -> str:
         + ";",
         "`contiguous` is one torch copy of the same bytes and `naive` one copy per block, for",
         "reference. `ids`: source ids sequential or scattered.",
+    ]
+    mapped = any(r.mapped_gbps is not None for r in bench.copies)
+    if mapped:
+        lines += [
+            "With page-locked host memory on CUDA, `dma` is the plan forced to one DMA per run",
+            "consecutive on the host side and `mapped` the plan forced to kernels over the host",
+            "memory mapped into the device; `batched` is the one the worker picks.",
+        ]
+    extra = " dma GB/s | mapped GB/s |" if mapped else ""
+    lines += [
         "",
         "| direction | host | block | batch | ids | limit GB/s | batched GB/s | contiguous GB/s"
-        " | naive GB/s | batched / limit |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f" | naive GB/s |{extra} batched / limit |",
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if mapped else 1),
     ]
     for r in bench.copies:
+        cells = f" {_gbps(r.dma_gbps)} | {_gbps(r.mapped_gbps)} |" if mapped else ""
         lines.append(
             f"| {r.direction} | {r.host} | {r.block_bytes // KIB} KiB | {r.batch} | {r.pattern}"
             f" | {r.limit_gbps:.2f} | {r.batched_gbps:.2f} | {r.contiguous_gbps:.2f}"
-            f" | {r.naive_gbps:.2f} | {r.ratio:.2f} |"
+            f" | {r.naive_gbps:.2f} |{cells} {r.ratio:.2f} |"
         )
     lines += ["", *scheduler_section(bench), "", *bench.lockstep_lines[1]]
     return "\n".join(lines).rstrip() + "\n"

@@ -16,6 +16,13 @@ the destination, with no temporary:
   a staging buffer on the device first, in device memory, where it costs a fraction of the
   crossing.
 
+A crossing whose host side is page-locked may instead run as if both sides were on the device
+(``mapped``): page-locked host memory is addressable from the device (unified addressing), so
+:func:`mapped_view` gives the host rows as a device tensor over the same memory and the plan's
+gathers and scatters are kernels that read or write the host over the bus, one per run
+consecutive on either side, however scattered the host blocks are. :func:`mapped_pays` says
+when (a host side cut into short runs: one DMA per run costs a DMA's fixed cost per block).
+
 Host memory on both sides with rows of 256 KiB or more takes a third way: one ``memmove``
 of the C library per run consecutive on both sides (:attr:`CopyPlan.moves`), the limit the
 bench holds the path to. Measured on a 2-core machine (docs/performance.md): there a torch
@@ -34,6 +41,7 @@ from __future__ import annotations
 import array
 import ctypes
 import functools
+import itertools
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -44,6 +52,11 @@ _WIDEST = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 # Host to host, memmove is chosen for rows of at least this many bytes: a call's overhead is
 # then a few percent of its copy (docs/performance.md).
 MEMMOVE_MIN_ROW = 256 * 1024
+# Across devices, host runs shorter than this on average (bytes) are copied by a device kernel
+# over mapped host memory rather than one DMA each (docs/impl.md "On a GPU").
+MAPPED_MAX_RUN = 1024 * 1024
+# __cuda_array_interface__ type strings of the dtypes rows() gives.
+_TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
 
 
 def rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -79,6 +92,60 @@ def host_runs(host_ids: Sequence[int], other_ids: Sequence[int]) -> list[tuple[i
     return runs
 
 
+class _HostMemory:
+    """Page-locked host rows described by ``__cuda_array_interface__``, so that torch makes
+    a device tensor over them; it holds the host tensor, which the device tensor holds in
+    turn: the memory lives as long as either view."""
+
+    def __init__(self, host: torch.Tensor) -> None:
+        self.host = host
+        size = host.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": tuple(host.shape),
+            "strides": tuple(stride * size for stride in host.stride()),
+            "typestr": _TYPESTR[host.dtype],
+            "data": (host.data_ptr(), False),
+            "version": 2,  # no stream: the caller orders the kernels on its own stream
+        }
+
+
+def mapped_view(host: torch.Tensor, device: torch.device) -> torch.Tensor | None:
+    """``host`` (page-locked rows from :func:`rows`) as a tensor of CUDA ``device`` over the
+    same memory, or None where that cannot be: not CUDA, memory not page-locked, a dtype
+    :func:`rows` does not give, or a device that cannot address host memory (checked once
+    per device by a round trip)."""
+    if device.type != "cuda" or not host.is_pinned() or host.dtype not in _TYPESTR:
+        return None
+    if not _maps_host_memory(device):
+        return None
+    with torch.cuda.device(device):
+        return torch.as_tensor(_HostMemory(host), device=device)
+
+
+@functools.cache
+def _maps_host_memory(device: torch.device) -> bool:
+    """Whether kernels on ``device`` read and write page-locked host memory through a
+    mapped view: a kernel doubles host words in place and the host sees the result."""
+    try:
+        host = torch.arange(64, dtype=torch.int64).pin_memory()
+        with torch.cuda.device(device):
+            view = torch.as_tensor(_HostMemory(host), device=device)
+            view.mul_(2)
+            torch.cuda.synchronize(device)
+        return bool(torch.equal(host, torch.arange(0, 128, 2, dtype=torch.int64)))
+    except (RuntimeError, TypeError, ValueError):
+        return False
+
+
+def mapped_pays(host_ids: Sequence[int], row_bytes: int) -> bool:
+    """Whether a crossing whose host side is ``host_ids`` runs faster as kernels over mapped
+    host memory: the host side is cut into runs averaging under :data:`MAPPED_MAX_RUN`."""
+    if not host_ids or consecutive(host_ids):
+        return False
+    runs = 1 + sum(b != a + 1 for a, b in itertools.pairwise(host_ids))
+    return len(host_ids) * row_bytes < runs * MAPPED_MAX_RUN
+
+
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     index = torch.frombuffer(array.array("q", ids), dtype=torch.int64)
     return index if device.type == "cpu" else index.to(device, non_blocking=True)
@@ -102,7 +169,10 @@ class CopyPlan:
     are the same device the consecutive side is the destination (``index_select``) or the
     source (``index_copy_``), whichever needs fewer runs; across devices it is the host.
     A batch consecutive on the chosen side as a whole (fresh destination blocks, a long
-    prompt's blocks) is planned without looking at its pairs one by one."""
+    prompt's blocks) is planned without looking at its pairs one by one.
+
+    ``mapped``: a crossing whose host side the caller passes to :meth:`run_rows` as a
+    :func:`mapped_view`; it is planned and run as a copy within the device."""
 
     def __init__(
         self,
@@ -110,11 +180,19 @@ class CopyPlan:
         dst_ids: Sequence[int],
         src_device: torch.device,
         dst_device: torch.device,
+        mapped: bool = False,
     ) -> None:
         if len(src_ids) != len(dst_ids):
             raise ValueError(f"{len(src_ids)} source blocks for {len(dst_ids)} destinations")
-        self.crossing = src_device != dst_device
-        self.host_to_host = not self.crossing and src_device.type == "cpu"
+        if mapped and src_device == dst_device:
+            raise ValueError(
+                f"a mapped plan crosses devices: source and destination are both on {src_device}"
+            )
+        self.mapped = mapped
+        self.crossing = src_device != dst_device and not mapped
+        self.host_to_host = src_device == dst_device and src_device.type == "cpu"
+        if mapped:  # both sides are addressed on the device
+            src_device = dst_device = src_device if src_device.type != "cpu" else dst_device
         self._pairs = (src_ids, dst_ids, src_device, dst_device)
 
     @functools.cached_property

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvoffload.impl.content import INITIAL_SEED, checksums, layer_bytes, token_seeds
-from kvoffload.impl.copy import CopyPlan, rows
+from kvoffload.impl.copy import CopyPlan, mapped_pays, mapped_view, rows
 from kvoffload.impl.streams import ComputeStream, CopyEngine, CopyJob, CopyThread, InlineCopies
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import DataIntegrityError
@@ -104,6 +104,13 @@ class Worker:
         # The same rows as machine words (int64 when the row allows): what copies move.
         self.gpu_rows = [rows(t) for t in self.gpu_blocks]
         self.cpu_rows = [rows(t) for t in self.cpu_blocks]
+        # On CUDA, the host rows as device tensors over the same page-locked memory, where the
+        # device can address it: a transfer whose host blocks are scattered runs as kernels
+        # over them instead of one DMA per block (kvoffload.impl.copy.mapped_pays).
+        views = [mapped_view(t, device) for t in self.cpu_rows] if self.cuda else []
+        self.cpu_mapped: list[torch.Tensor] | None = (
+            [v for v in views if v is not None] if views and None not in views else None
+        )
         # Each layer of each group, [blocks, bytes per block]: views of the rows above.
         self.gpu_kv = [[t[:, layer] for layer in range(layers)] for t in self.gpu_blocks]
         self.cpu_kv = [[t[:, layer] for layer in range(layers)] for t in self.cpu_blocks]
@@ -223,7 +230,13 @@ class Worker:
             with torch.cuda.stream(self.copy_stream):
                 if wait_compute:
                     self.copy_stream.wait_event(after_compute)
-                plan = CopyPlan(src_ids, dst_ids, src_device, dst_device)
+                plan = self._cuda_plan(src_ids, dst_ids, to_device)
+                if plan.mapped:
+                    assert self.cpu_mapped is not None
+                    pairs = [
+                        (cpu, gpu) if to_device else (gpu, cpu)
+                        for gpu, cpu in zip(self.gpu_rows, self.cpu_mapped, strict=True)
+                    ]
                 for src, dst in pairs:
                     plan.run_rows(src, dst)
                 done = torch.cuda.Event()
@@ -243,6 +256,17 @@ class Worker:
 
         priority = self.copier.LOAD if to_device else self.copier.STORE
         return Transfer(job=self.copier.submit(priority, run), engine=self.copier)
+
+    def _cuda_plan(
+        self, src_ids: Sequence[int], dst_ids: Sequence[int], to_device: bool
+    ) -> CopyPlan:
+        """The plan of a CUDA transfer: over mapped host memory where that pays."""
+        host, device = torch.device("cpu"), self.device
+        src_device, dst_device = (host, device) if to_device else (device, host)
+        host_ids = src_ids if to_device else dst_ids
+        row_bytes = sum(t.shape[1] * t.element_size() for t in self.cpu_rows)
+        mapped = self.cpu_mapped is not None and mapped_pays(host_ids, row_bytes)
+        return CopyPlan(src_ids, dst_ids, src_device, dst_device, mapped=mapped)
 
     def wait_store(self, event: int) -> None:
         """Block until this worker's copy of store ``event`` is done (at once if it was

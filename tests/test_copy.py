@@ -7,7 +7,16 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvoffload.impl.copy import CopyPlan, consecutive, copy_blocks, host_runs, rows
+from kvoffload.impl.copy import (
+    MAPPED_MAX_RUN,
+    CopyPlan,
+    consecutive,
+    copy_blocks,
+    host_runs,
+    mapped_pays,
+    mapped_view,
+    rows,
+)
 
 CPU = torch.device("cpu")
 
@@ -96,6 +105,68 @@ def test_plans_across_devices(to_device: bool, pinned: bool) -> None:
     stream.synchronize()
     for s, d in zip(src_ids, dst_ids, strict=True):
         assert torch.equal(dst[d].cpu(), src[s].cpu())
+
+
+def test_mapped_memory_pays_for_a_host_side_cut_into_short_runs_only() -> None:
+    small = 16 * 1024
+    assert mapped_pays([7, 2, 9, 4], small)  # scattered host blocks: one DMA each otherwise
+    assert not mapped_pays([4, 5, 6, 7], small)  # one run: one DMA
+    assert not mapped_pays([], small)
+    # Two runs of 64 blocks of 1 MiB: two DMAs of 64 MiB cost no more than kernels would.
+    assert not mapped_pays([*range(64), *range(100, 164)], MAPPED_MAX_RUN)
+    assert mapped_pays([*range(64), *range(100, 164)], MAPPED_MAX_RUN // 128)
+
+
+def test_without_cuda_and_page_locked_memory_there_is_no_mapped_view() -> None:
+    host = rows(torch.zeros(4, 64, dtype=torch.uint8))
+    assert mapped_view(host, CPU) is None
+    if torch.cuda.is_available():  # memory that is not page-locked cannot be mapped
+        assert mapped_view(host, torch.device("cuda")) is None
+
+
+def test_a_mapped_plan_must_cross_devices() -> None:
+    with pytest.raises(ValueError, match="a mapped plan crosses devices"):
+        CopyPlan([1], [2], CPU, CPU, mapped=True)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_mapped_view_is_the_page_locked_host_memory_itself() -> None:
+    host = rows(torch.zeros(4, 64, dtype=torch.uint8).pin_memory())
+    view = mapped_view(host, torch.device("cuda"))
+    assert view is not None and view.is_cuda and view.shape == host.shape
+    view[2, 3] = -1
+    torch.cuda.synchronize()
+    assert host[2, 3] == -1 and host.count_nonzero() == 1
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@settings(max_examples=40, deadline=None)
+@given(transfers(), st.booleans())
+def test_a_mapped_plan_moves_exactly_the_paired_blocks(
+    case: tuple[int, int, list[int], list[int]], to_device: bool
+) -> None:
+    blocks, width, src_ids, dst_ids = case
+    cuda = torch.device("cuda")
+    data = torch.arange(blocks * width, dtype=torch.int64).remainder(251).add(1)
+    host = data.to(torch.uint8).reshape(blocks, width).pin_memory()
+    dev = torch.zeros(blocks, width, dtype=torch.uint8, device=cuda)
+    if not to_device:
+        dev.copy_(host)
+        host.zero_()
+    view = mapped_view(rows(host), cuda)
+    assert view is not None
+    src, dst = (view, rows(dev)) if to_device else (rows(dev), view)
+    src_device, dst_device = (CPU, cuda) if to_device else (cuda, CPU)
+    CopyPlan(src_ids, dst_ids, src_device, dst_device, mapped=True).run_rows(src, dst)
+    torch.cuda.synchronize()
+    source = data.to(torch.uint8).reshape(blocks, width)
+    target = dev.cpu() if to_device else host
+    expected = torch.zeros_like(target)
+    for s, d in zip(src_ids, dst_ids, strict=True):
+        expected[d] = source[s]
+    assert torch.equal(target, expected)
 
 
 def test_host_runs_group_pairs_by_consecutive_host_ids() -> None:

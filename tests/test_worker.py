@@ -275,3 +275,23 @@ def test_the_store_race_shows_in_both_copy_engines(lockstep: bool) -> None:
         config, program, faults=["store-skips-compute-wait"], device="cpu", lockstep=lockstep
     )
     assert found is not None and "does not hold the KV" in found
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_host_blocks_are_mapped_and_scattered_ones_cross_as_kernels() -> None:
+    impl = OffloadImpl(OffloadConfig(gpu_blocks=16, cpu_blocks=8), device="cuda")
+    worker = impl.workers[0]
+    assert worker.cpu_mapped is not None  # an H200 addresses page-locked host memory
+    assert worker._cuda_plan([6, 1, 4], [0, 1, 2], to_device=True).mapped
+    assert not worker._cuda_plan([2, 3, 4], [9, 1, 5], to_device=True).mapped
+    for t in worker.gpu_blocks:
+        t.copy_(torch.arange(t.numel(), device="cuda").remainder(251).reshape(t.shape))
+    worker.submit_store(1, [3, 9, 5], [6, 1, 4])  # scattered host blocks: mapped
+    worker.wait_store(1)
+    for gpu, cpu in worker.tensors():
+        assert torch.equal(cpu[[6, 1, 4]], gpu[[3, 9, 5]].cpu())
+    worker.submit_load(2, [10, 11, 12], [4, 6, 1])
+    worker.wait_load(2)
+    for gpu, _ in worker.tensors():
+        assert torch.equal(gpu[[10, 11, 12]], gpu[[5, 3, 9]])
