@@ -54,7 +54,7 @@ _WIDEST = ((torch.int64, 8), (torch.int32, 4), (torch.int16, 2))
 MEMMOVE_MIN_ROW = 256 * 1024
 # Across devices, host runs shorter than this on average (bytes) are copied by a device kernel
 # over mapped host memory rather than one DMA each (docs/impl.md "On a GPU").
-MAPPED_MAX_RUN = 1024 * 1024
+MAPPED_MAX_RUN = 2 * 1024 * 1024
 # __cuda_array_interface__ type strings of the dtypes rows() gives.
 _TYPESTR = {torch.int64: "<i8", torch.int32: "<i4", torch.int16: "<i2", torch.uint8: "|u1"}
 
@@ -148,7 +148,11 @@ def mapped_pays(host_ids: Sequence[int], row_bytes: int) -> bool:
 
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:
     index = torch.frombuffer(array.array("q", ids), dtype=torch.int64)
-    return index if device.type == "cpu" else index.to(device, non_blocking=True)
+    if device.type == "cpu":
+        return index
+    # Through page-locked memory the copy is queued on the stream, not waited for; torch's
+    # page-locked allocator keeps the buffer until the copy has run.
+    return index.pin_memory().to(device, non_blocking=True)
 
 
 class _Step(NamedTuple):

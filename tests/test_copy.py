@@ -112,7 +112,7 @@ def test_mapped_memory_pays_for_a_host_side_cut_into_short_runs_only() -> None:
     assert mapped_pays([7, 2, 9, 4], small)  # scattered host blocks: one DMA each otherwise
     assert not mapped_pays([4, 5, 6, 7], small)  # one run: one DMA
     assert not mapped_pays([], small)
-    # Two runs of 64 blocks of 1 MiB: two DMAs of 64 MiB cost no more than kernels would.
+    # Two long runs of large blocks: two DMAs cost no more than kernels would.
     assert not mapped_pays([*range(64), *range(100, 164)], MAPPED_MAX_RUN)
     assert mapped_pays([*range(64), *range(100, 164)], MAPPED_MAX_RUN // 128)
 
