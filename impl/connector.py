@@ -14,13 +14,14 @@ IN-FLIGHT, RESET, EVENTS, LOAD-PINNED, NO-READ, LAZY-SCAN, LAZY-EVICT-FIRST.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Container, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvoffload.impl.pool import NULL, Pool, block_key
 from kvoffload.model.arith import window_run
-from kvoffload.model.types import NO_EVENT, STORED, ConnectorMetadata, KVEvent
+from kvoffload.model.types import NO_EVENT, STORED, ConnectorMetadata, KVEvent, OffloadStats
 
 if TYPE_CHECKING:
     from kvoffload.impl.engine import ImplRequest
@@ -114,6 +115,7 @@ class Connector:
         self.next_load_event = 0
         self.partial: dict[int, int] = {}
         self.failed: set[int] = set()  # store events a worker reported failed
+        self.loaded_since_drain = 0  # GPU blocks of sent loads completed since the stats
         # CPU block ids -> those whose bytes fail their checksum; the driver gives the
         # workers' check (the scheduler alone holds no bytes: nothing is ever damaged).
         self.integrity_check: Callable[[list[int]], set[int]] = lambda ids: set()
@@ -575,7 +577,7 @@ class Connector:
         failed: frozenset[int] = frozenset(),
     ) -> None:
         for rid in sorted(finished_loads):
-            self.drop_load(rid)
+            self.loaded_since_drain += self.drop_load(rid)
         self.failed |= failed
         for event, count in stores.items():
             self.count_store(event, count)
@@ -681,10 +683,11 @@ class Connector:
                 self.untrack(rid)
         return flush
 
-    def drop_load(self, rid: str) -> None:
+    def drop_load(self, rid: str) -> int:
+        """Release a request's load; the GPU blocks it copied if it was sent, else 0."""
         load = self.loads.pop(rid, None) or self.abandoned_loads.pop(rid, None)
         if load is None:
-            return
+            return 0
         if load.event is not None:
             reqs = self.load_events.get(load.event)
             if reqs is not None:
@@ -694,6 +697,20 @@ class Connector:
                     del self.load_events[load.event]
         self.cpu.release(load.copy.cpu)
         self.gpu.release(load.copy.gpu)
+        return 0 if load.event is None else len(load.copy.gpu)
+
+    def stats(self) -> OffloadStats:
+        """Drain the stats (vLLM's ``get_stats``): the load count starts over."""
+        copies = itertools.chain(self.stores.values(), self.flushes, self.abandoned_stores.values())
+        report = OffloadStats(
+            load_blocks=self.loaded_since_drain,
+            used_blocks=self.cpu.num_blocks - self.cpu.num_free,
+            pending_store_blocks=sum(len(c.cpu) for c in copies),
+            capacity_blocks=self.cpu.num_blocks,
+            lazy=self.lazy,
+        )
+        self.loaded_since_drain = 0
+        return report
 
     def untrack(self, rid: str) -> None:
         tracker = self.trackers.pop(rid, None)

@@ -26,7 +26,7 @@ from kvoffload.impl.worker import KVLayout, Worker
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
 from kvoffload.model.snapshot import Snapshot
-from kvoffload.model.types import NO_EVENT, FinishResult, KVEvent, StepResult
+from kvoffload.model.types import NO_EVENT, FinishResult, KVEvent, OffloadStats, StepResult
 from kvoffload.model.validate import (
     owed_completions,
     require_damageable,
@@ -240,6 +240,9 @@ class OffloadImpl:
 
     def has_pending_stores(self) -> bool:
         return self.connector.pending()
+
+    def stats(self) -> OffloadStats:
+        return self.connector.stats()
 
     def live_requests(self) -> list[str]:
         return [r for r, q in self.engine.requests.items() if q.status is not Status.FINISHED]

@@ -16,7 +16,7 @@ from kvoffload.impl.pool import NULL, Pool
 from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import Worker
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.types import NO_EVENT, ConnectorMetadata
+from kvoffload.model.types import NO_EVENT, ConnectorMetadata, OffloadStats
 from kvoffload.model.validate import require_new_request
 
 
@@ -262,6 +262,33 @@ class PreemptKeepsTable(Connector):
         pass
 
 
+class StatsPendingSkipsAbandoned(Connector):
+    """vLLM's ``get_stats()`` (0.31.0 on) counts as pending the CPU blocks of stores in
+    flight, of queued final flushes and of stores a reset abandoned: those stay pinned
+    until their copies complete. A gauge over the live stores alone shows the CPU blocks a
+    reset left behind as neither free nor pending."""
+
+    def stats(self) -> OffloadStats:
+        abandoned = self.abandoned_stores
+        self.abandoned_stores = {}
+        try:
+            return super().stats()
+        finally:
+            self.abandoned_stores = abandoned
+
+
+class StatsLoadCountKept(Connector):
+    """vLLM's ``get_stats()`` drains ``_interval_load_blocks_completed``: the load count is
+    a counter's increase since the previous report. Kept instead of restarted, every report
+    counts each completed load again."""
+
+    def stats(self) -> OffloadStats:
+        loaded = self.loaded_since_drain
+        report = super().stats()
+        self.loaded_since_drain = loaded
+        return report
+
+
 class StoreSkipsComputeWait(Worker):
     """vLLM #45704: the store copy must wait on an event recorded after the step's compute;
     without the wait it can read KV the compute stream has not written yet."""
@@ -354,6 +381,8 @@ FAULTS: dict[str, Fault] = {
         Fault("window-scan-breaks", WindowScanBreaks, "FLUSH-COMPLETE"),
         Fault("window-stale-ids", WindowStaleIds, "POSITION"),
         Fault("preempt-keeps-table", PreemptKeepsTable, "TABLE"),
+        Fault("stats-pending-skips-abandoned", StatsPendingSkipsAbandoned, "STATS"),
+        Fault("stats-load-count-kept", StatsLoadCountKept, "STATS"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

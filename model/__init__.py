@@ -24,7 +24,13 @@ from kvoffload.model.errors import (
 from kvoffload.model.invariants import CHECKS, check, violations
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.snapshot import Snapshot
-from kvoffload.model.types import NO_EVENT, ConnectorMetadata, FinishResult, StepResult
+from kvoffload.model.types import (
+    NO_EVENT,
+    ConnectorMetadata,
+    FinishResult,
+    OffloadStats,
+    StepResult,
+)
 from kvoffload.model.variants import VARIANTS
 
 __all__ = [
@@ -43,6 +49,7 @@ __all__ = [
     "KVOffloadError",
     "OffloadConfig",
     "OffloadModel",
+    "OffloadStats",
     "RequestFinishedError",
     "SetupError",
     "Snapshot",

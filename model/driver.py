@@ -21,7 +21,7 @@ from kvoffload.model.keys import prefix_digests
 from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.observe import take_snapshot
 from kvoffload.model.snapshot import Snapshot
-from kvoffload.model.types import FinishResult, KVEvent, StepResult
+from kvoffload.model.types import FinishResult, KVEvent, OffloadStats, StepResult
 from kvoffload.model.validate import (
     owed_completions,
     require_completion,
@@ -161,6 +161,15 @@ class OffloadModel:
 
     def has_pending_stores(self) -> bool:
         return self.engine.connector.has_pending_stores()
+
+    def stats(self) -> OffloadStats:
+        """The connector's stats, drained (vLLM's ``get_stats``, what a metrics logger reads
+        once an interval): loads completed since the previous drain, CPU blocks in use and
+        held by stores not yet completed."""
+        self._begin()
+        result = self.engine.connector.stats()
+        self._end()
+        return result
 
     def live_requests(self) -> list[str]:
         """Requests added and not finished, in the order they were added."""

@@ -277,6 +277,26 @@ def reset(state: Engine) -> Iterator[str]:
             yield "reset() returned True but the CPU pool still holds keys"
 
 
+def stats(state: Engine) -> Iterator[str]:
+    c = state.connector
+    queued = set(c.cpu_pool.free_queue)
+    in_use = sum(1 for b in c.cpu_pool.blocks if b.block_id not in queued)
+    storing = {i for t in _stores(state) for i in t.cpu_block_ids}
+    for r in c.stats_log:
+        report = r.report
+        if report.load_blocks != sum(r.loads):
+            yield f"stats report {report.load_blocks} loaded blocks; the loads completed: {r.loads}"
+        if report.used_blocks != in_use:
+            yield f"stats report {report.used_blocks} CPU blocks used; {in_use} are not free"
+        if report.pending_store_blocks != len(storing):
+            yield (
+                f"stats report {report.pending_store_blocks} pending store blocks, the stores "
+                f"not completed hold {len(storing)}"
+            )
+        if report.pending_store_blocks > max(0, report.used_blocks - 1):
+            yield "stats report more pending store blocks than CPU blocks in use"
+
+
 def events(state: Engine) -> Iterator[str]:
     c = state.connector
     for name, issued, counter in [
@@ -490,6 +510,7 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "POSITION": position,
     "TABLE": table,
     "EVENT-STORED": event_stored,
+    "STATS": stats,
 }
 
 
@@ -551,6 +572,7 @@ def exercised(state: Engine) -> set[str]:
             if not store.finished
         ),
         "EVENT-STORED": bool(c.stored_log),
+        "STATS": bool(c.stats_log),
         "NO-READ": any(
             r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
             for r in state.requests.values()

@@ -46,6 +46,9 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
   another key (freed and reused) is such a null.
 - POSITION: a block a store scan takes for a position of a request holds that position's
   key.
+- STATS: a drain of the stats reports the GPU blocks of the sent loads completed since the
+  previous drain (and starts the count over, a reset keeping it), the CPU blocks in use and
+  the CPU blocks of every store not yet completed (in flight, queued or abandoned).
 """
 
 from __future__ import annotations
@@ -59,7 +62,7 @@ from kvoffload.model.arith import lookup_limit, plan_selection, ready_blocks
 from kvoffload.model.block_pool import Block, BlockPool
 from kvoffload.model.keys import BlockKey, block_keys, fine_key
 from kvoffload.model.lookup import find_longest_cache_hit
-from kvoffload.model.types import NO_EVENT, STORED, ConnectorMetadata, KVEvent
+from kvoffload.model.types import NO_EVENT, STORED, ConnectorMetadata, KVEvent, OffloadStats
 
 if TYPE_CHECKING:
     from kvoffload.model.config import OffloadConfig
@@ -193,6 +196,15 @@ class StoredRecord:
 
 
 @dataclass(frozen=True)
+class StatsRecord:
+    """A drain of the stats, with the sent loads whose completions it covers (their GPU
+    block counts, as each completion was processed)."""
+
+    report: OffloadStats
+    loads: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class ResetRecord:
     returned: bool
     abandoned: bool
@@ -241,6 +253,8 @@ class OffloadScheduler:
         # Store events a worker reported failed (kvoffload's contract: vLLM's workers report
         # no failure): when every worker has reported, the copy is dropped, not registered.
         self.failed_store_events: set[int] = set()
+        # GPU blocks of the sent loads completed since the stats were last drained.
+        self.loaded_blocks_since_drain = 0
 
         # Ghost state for the invariants.
         self.dispositions: dict[str, list[dict[int, Disposition]]] = {}
@@ -251,6 +265,8 @@ class OffloadScheduler:
         self.completion_log: list[CompletionRecord] = []
         self.dropped_log: list[Transfer] = []  # stores dropped for a failed copy
         self.reset_log: list[ResetRecord] = []
+        self.stats_log: list[StatsRecord] = []
+        self.completed_loads: list[int] = []  # since the last drain, GPU blocks of each
         self.lazy_scan_log: list[LazyScanRecord] = []
         self.lazy_return_log: list[LazyReturnRecord] = []
         self.null_log: list[NullRecord] = []
@@ -673,7 +689,10 @@ class OffloadScheduler:
         failed_store_events: frozenset[int] = frozenset(),
     ) -> None:
         for req_id in sorted(finished_recving):
-            self._cleanup_load_request(req_id)
+            sent = self.reqs_to_load.get(req_id) or self.abandoned_reqs_to_load.get(req_id)
+            if sent is not None and sent.load_event is not None:
+                self.completed_loads.append(len(sent.transfer.gpu_block_ids))
+            self.loaded_blocks_since_drain += self._cleanup_load_request(req_id)
         self.failed_store_events |= failed_store_events
         for event, count in completed_store_events.items():
             total = self.store_event_pending_counts.get(event, 0) + count
@@ -853,12 +872,13 @@ class OffloadScheduler:
             else:
                 self._cleanup_store_request(req_id)
 
-    def _cleanup_load_request(self, req_id: str) -> None:
+    def _cleanup_load_request(self, req_id: str) -> int:
+        """Release a request's load; the GPU blocks it copied if it was sent, else 0."""
         load = self.reqs_to_load.pop(req_id, None)
         if load is None:
             load = self.abandoned_reqs_to_load.pop(req_id, None)
         if load is None:
-            return
+            return 0
         if load.load_event is not None:
             reqs = self.load_event_to_reqs.get(load.load_event)
             if reqs is not None:
@@ -868,6 +888,7 @@ class OffloadScheduler:
                     del self.load_event_to_reqs[load.load_event]
         self.cpu_pool.free_blocks([self.cpu_pool.blocks[i] for i in load.transfer.cpu_block_ids])
         self.gpu_pool.free_blocks([self.gpu_pool.blocks[i] for i in load.transfer.gpu_block_ids])
+        return 0 if load.load_event is None else len(load.transfer.gpu_block_ids)
 
     def _cleanup_store_request(self, req_id: str) -> None:
         state = self.reqs_to_store.pop(req_id, None)
@@ -881,6 +902,27 @@ class OffloadScheduler:
                 if not reqs:
                     del self.store_event_to_reqs[event]
         state.store_events.clear()
+
+    # -- stats ------------------------------------------------------------------------------
+
+    def stats(self) -> OffloadStats:
+        """Drain the stats: what they report now, the load count starting over."""
+        pending = [
+            *self.store_event_to_blocks.values(),
+            *self.pending_finished_stores,
+            *self.abandoned_store_event_to_blocks.values(),
+        ]
+        report = OffloadStats(
+            load_blocks=self.loaded_blocks_since_drain,
+            used_blocks=len(self.cpu_pool.blocks) - self.cpu_pool.num_free_blocks,
+            pending_store_blocks=sum(len(t.cpu_block_ids) for t in pending),
+            capacity_blocks=self.config.cpu_blocks,
+            lazy=self.config.lazy,
+        )
+        self.loaded_blocks_since_drain = 0
+        self.stats_log.append(StatsRecord(report, tuple(self.completed_loads)))
+        self.completed_loads = []
+        return report
 
     # -- reset ------------------------------------------------------------------------------
 
@@ -919,6 +961,7 @@ class OffloadScheduler:
         self.completion_log.clear()
         self.dropped_log.clear()
         self.reset_log.clear()
+        self.stats_log.clear()
         self.lazy_scan_log.clear()
         self.lazy_return_log.clear()
         self.null_log.clear()

@@ -94,3 +94,23 @@ class KVEvent:
             self.block_size,
             self.medium,
         )
+
+
+@dataclass(frozen=True)
+class OffloadStats:
+    """What the connector's stats report when drained (vLLM's ``get_stats``, 0.31.0 on).
+
+    ``load_blocks``: GPU blocks of the loads whose completion the connector processed since
+    the previous drain (a load cleaned up before it was sent, or at its request's finish,
+    counts nothing); ``used_blocks``: CPU blocks in use, the pool's size less its free
+    blocks (the null block is always in use); ``pending_store_blocks``: CPU blocks of the
+    stores in flight, queued as final flushes or abandoned by a reset; ``capacity_blocks``
+    and ``lazy``: the configuration the report describes. Boundary stores, whose outcomes
+    vLLM also counts, are not modelled: none is reported.
+    """
+
+    load_blocks: int
+    used_blocks: int
+    pending_store_blocks: int
+    capacity_blocks: int
+    lazy: bool

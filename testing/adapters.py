@@ -15,7 +15,7 @@ import torch
 
 from kvoffload.impl import FAULTS, OffloadImpl
 from kvoffload.model import FinishResult, OffloadConfig, Snapshot, StepResult
-from kvoffload.model.types import KVEvent
+from kvoffload.model.types import KVEvent, OffloadStats
 
 
 class Target(Protocol):
@@ -35,6 +35,7 @@ class Target(Protocol):
     def lookup(self, tokens: Sequence[int]) -> int: ...
     def reset(self) -> bool: ...
     def has_pending_stores(self) -> bool: ...
+    def stats(self) -> OffloadStats: ...
     def live_requests(self) -> list[str]: ...
     def outstanding(self, kind: str) -> list[tuple[int, int]]: ...
     def snapshot(self) -> Snapshot: ...
@@ -109,6 +110,16 @@ def takes_reset(adapter_name: str) -> bool:
     from kvoffload.upstream.vllm_world import takes_reset as vllm_takes_reset
 
     return vllm_takes_reset()
+
+
+def takes_stats(adapter_name: str) -> bool:
+    """Whether ``adapter_name``'s target reports stats: vLLM's offload code before 0.31.0
+    has no ``get_stats``, so the machine does not ask there."""
+    if adapter_name != "vllm":
+        return True
+    from kvoffload.upstream.vllm_world import takes_stats as vllm_takes_stats
+
+    return vllm_takes_stats()
 
 
 def expected_variant(adapter_name: str) -> str:

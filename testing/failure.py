@@ -45,6 +45,7 @@ CALLS: dict[str, tuple[str, ...]] = {
     "load": ("int", "int"),
     "reset": (),
     "lookup": ("ints",),
+    "stats": (),
     "drain": (),
     "fail_store": ("int", "int"),
     "corrupt": ("int", "int"),

@@ -3,9 +3,10 @@ comparing every result, every snapshot and the KV bytes after every call.
 
 A program is a list of calls, each a tuple: ``("add", id, prompt, max_tokens)``,
 ``("step", budget)``, ``("finish", id)``, ``("store", event, worker)``, ``("load", event,
-worker)``, ``("reset",)``, ``("lookup", prompt)``, ``("drain",)`` (every outstanding
-completion, loads first), and the injected faults ``("fail_store", event, worker)`` (a
-worker's copy failed) and ``("corrupt", cpu_block, worker)`` (a cached host block damaged)."""
+worker)``, ``("reset",)``, ``("lookup", prompt)``, ``("stats",)`` (drained), ``("drain",)``
+(every outstanding completion, loads first), and the injected faults ``("fail_store", event,
+worker)`` (a worker's copy failed) and ``("corrupt", cpu_block, worker)`` (a cached host block
+damaged)."""
 
 from __future__ import annotations
 
@@ -52,6 +53,8 @@ def apply(target: OffloadModel | Target, call: Call) -> object:
         return target.reset()
     if name == "lookup":
         return target.lookup(*args)
+    if name == "stats":
+        return target.stats()
     if name == "drain":
         done: list[object] = [target.complete_load(e, w) for e, w in target.outstanding("load")]
         done += [target.complete_store(e, w) for e, w in target.outstanding("store")]
@@ -111,12 +114,13 @@ def changes_nothing(call: Call, expected: object) -> bool:
     """Whether the specification says the call leaves the model's observable state as it
     was, given the model's outcome: rejected input (the driver contract: nothing changes), a
     lookup (read-only), damage injected into a block's bytes (no snapshot field shows it),
-    a drain with nothing owed. ``tests/test_lockstep_incremental.py`` holds it to the
+    a drain of the stats (it restarts a count no snapshot field shows), a drain with nothing
+    owed. ``tests/test_lockstep_incremental.py`` holds it to the
     model's own snapshots, call after call."""
     name = call[0]
     return (
         isinstance(expected, str)  # an error, as "Type: message"; no result is a string
-        or name in ("lookup", "corrupt")
+        or name in ("lookup", "corrupt", "stats")
         or (name == "drain" and expected == [])
     )
 

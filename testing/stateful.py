@@ -33,6 +33,7 @@ from kvoffload.testing.adapters import (
     adapters,
     expected_variant,
     takes_reset,
+    takes_stats,
     unsupported,
 )
 from kvoffload.testing.failure import Failure, validate
@@ -141,6 +142,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     variant: ClassVar[str] = "fixed"  # the model variant the target is compared with
     injects: ClassVar[bool] = True  # the target takes injected faults
     resets: ClassVar[bool] = True  # the target has reset() (vLLM's offload code from 0.24.0)
+    reports_stats: ClassVar[bool] = True  # the target has stats() (vLLM's from 0.31.0)
     adapter: ClassVar[Adapter]
     recorder: ClassVar[Recorder] = Recorder()
 
@@ -301,6 +303,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 return
             self.run(("step", budget), rule_name, continued=not (first and n == 0))
             self.run(("drain",), rule_name, continued=True)
+            self.read_stats()
 
     def busy(self) -> bool:
         model = self.model
@@ -325,10 +328,19 @@ class ConformanceMachine(RuleBasedStateMachine):
         choices += [("load", *c) for c in self.model.outstanding("load")]
         call = data.draw(st.sampled_from(choices))
         self.run(call, f"complete {call[0]}")
+        self.read_stats()
 
     @rule()
     def drain(self) -> None:
         self.run(("drain",), "drain")
+        self.read_stats()
+
+    def read_stats(self) -> None:
+        """Drain the stats, as a metrics logger does between steps. Part of the rule before
+        it, drawing nothing: the rules and draws of a program stay what they were before
+        stats were compared, so every earlier counterexample replays (issue 12)."""
+        if self.reports_stats:
+            self.run(("stats",), "stats", continued=True)
 
     @rule(data=st.data(), tokens=PROMPTS)
     def lookup(self, data: st.DataObject, tokens: list[int]) -> None:
@@ -341,6 +353,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     @rule()
     def reset(self) -> None:
         self.run(("reset",), "reset")
+        self.read_stats()
 
     # Faults injected into the target (issue 14): a worker whose copy failed, a cached host
     # block whose bytes were damaged. The model says what must follow (the integrity
@@ -529,6 +542,7 @@ def machine_for(
             "variant": compared_with,
             "injects": adapter_name != "vllm",
             "resets": takes_reset(adapter_name),
+            "reports_stats": takes_stats(adapter_name),
         },
     )
 

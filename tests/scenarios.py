@@ -207,6 +207,27 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("step", 64),
         ],
     ),
+    # Stats drained as a metrics logger does: the CPU blocks of a store in flight are
+    # pending, and stay pending once a reset abandons it, until its copy completes.
+    "stats-across-reset": (
+        cfg(),
+        [
+            ("add", "r", P33, 1),
+            ("step", 64),
+            ("step", 0),
+            ("stats",),
+            ("reset",),
+            ("stats",),
+            ("drain",),
+            ("stats",),
+        ],
+    ),
+    # A prompt stored, evicted from the GPU and loaded back: the first drain after the
+    # load counts its blocks, the next one counts nothing.
+    "stats-count-a-load-once": (
+        cfg(5),
+        [*STORE_THEN_EVICT, ("stats",), ("drain",), ("stats",), ("stats",)],
+    ),
     # Lazy mode: blocks stored and returned to the front of the GPU queue, then their CPU
     # copies evicted by later stores into a small CPU pool: the next scan must store them
     # again, though they lie before the block the previous scan visited last (found by the

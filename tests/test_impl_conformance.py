@@ -37,6 +37,8 @@ FAULT_SCENARIO = {
     "window-scan-breaks": "window-scan-passes-unkeyed",
     "window-stale-ids": "window-block-reused",
     "preempt-keeps-table": "preempt-and-resume",
+    "stats-pending-skips-abandoned": "stats-across-reset",
+    "stats-load-count-kept": "stats-count-a-load-once",
 }
 
 

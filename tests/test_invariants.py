@@ -6,6 +6,7 @@ A check that cannot fail proves nothing, so each ID in ``CHECKS`` has a corrupti
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 import pytest
 
@@ -21,6 +22,7 @@ from kvoffload.model.offload import (
     PickRecord,
     ResetRecord,
     SelectionRecord,
+    StatsRecord,
     StoredRecord,
 )
 from kvoffload.model.types import STORED, KVEvent
@@ -161,6 +163,10 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     ),
     # c's store state names one block more than its table (a preemption not forgotten)
     "TABLE": lambda m: m.engine.connector.reqs_to_store["c"].block_ids[0].append(1),
+    # a drain of the stats that counts a load no completion processed
+    "STATS": lambda m: m.engine.connector.stats_log.append(
+        StatsRecord(replace(m.engine.connector.stats(), load_blocks=1), ())
+    ),
     # a scan that passed over a null position whose key the GPU pool still caches
     "RECOVER": lambda m: m.engine.connector.null_log.append(
         NullRecord("c", 0, 0, next(iter(m.engine.gpu_pool.cached)), True, None)

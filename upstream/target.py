@@ -13,6 +13,7 @@ Where releases differ in how they hold it, :mod:`kvoffload.upstream.vllm_world` 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import asdict
 from typing import Any
 
 from kvoffload.model.config import OffloadConfig
@@ -30,7 +31,15 @@ from kvoffload.model.snapshot import (
     StoreTrackView,
     TransferView,
 )
-from kvoffload.model.types import CLEARED, REMOVED, STORED, FinishResult, KVEvent, StepResult
+from kvoffload.model.types import (
+    CLEARED,
+    REMOVED,
+    STORED,
+    FinishResult,
+    KVEvent,
+    OffloadStats,
+    StepResult,
+)
 from kvoffload.model.validate import (
     owed_completions,
     require_completion,
@@ -123,6 +132,29 @@ class VllmOffload:
 
     def has_pending_stores(self) -> bool:
         return bool(self.manager.has_pending_stores())
+
+    def stats(self) -> OffloadStats:
+        """vLLM's ``get_stats()`` (0.31.0 on), drained, as the model's report."""
+        from vllm.v1.simple_kv_offload.metrics import MetricName
+
+        # Boundary stores (Mamba retention, boundary hand-offs) are not modelled: none may
+        # be counted, in the running totals or in the report.
+        totals = {k: v for k, v in asdict(self.manager.get_boundary_store_stats()).items() if v}
+        data = self.manager.get_stats().data["data"]
+        outcomes = {labels: n for labels, n in data.get(MetricName.SAVE_OUTCOMES, {}).items() if n}
+        if totals or outcomes:
+            raise AssertionError(f"vLLM counted boundary stores: {totals or outcomes}")
+        (info,) = data[MetricName.INFO]
+        backend, page_cache, lazy, capacity = info
+        if (backend, page_cache) != ("cpu", "false"):
+            raise AssertionError(f"vLLM reported a {backend} backend, page cache {page_cache}")
+        return OffloadStats(
+            load_blocks=int(data.get(MetricName.LOAD_BLOCKS, {}).get((), 0)),
+            used_blocks=int(data[MetricName.USED_BLOCKS][()]),
+            pending_store_blocks=int(data[MetricName.PENDING_STORE_BLOCKS][()]),
+            capacity_blocks=int(capacity),
+            lazy=lazy == "true",
+        )
 
     def live_requests(self) -> list[str]:
         return [

@@ -98,6 +98,13 @@ def takes_reset() -> bool:
     return hasattr(SimpleCPUOffloadScheduler, "reset")
 
 
+def takes_stats() -> bool:
+    """Whether the offload scheduler reports stats (``get_stats``, vLLM 0.31.0 on)."""
+    from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
+
+    return hasattr(SimpleCPUOffloadScheduler, "get_stats")
+
+
 def state(manager: Any, name: str, default: Any) -> Any:
     """A field of the manager, or what its absence means in the releases before it (no
     abandoned transfers before reset existed, no pins before PR #42289, ...)."""
