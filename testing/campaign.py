@@ -7,6 +7,7 @@ from __future__ import annotations
 import itertools
 import json
 import random
+import re
 import subprocess
 import sys
 import time
@@ -22,15 +23,23 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import FAULTS
+from kvoffload.model import OffloadModel
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, SetupError
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
 from kvoffload.testing.adapters import adapters, default_adapter
 from kvoffload.testing.failure import Failure, load, save, validate
-from kvoffload.testing.lockstep import Call, disagreement, first_disagreement
+from kvoffload.testing.lockstep import Call, disagreement, first_disagreement, outcome
 from kvoffload.testing.reduce import kind, reduce_program, replay
-from kvoffload.testing.stateful import ConformanceMachine, Recorder, machine_for
+from kvoffload.testing.stateful import (
+    SETTLE_MAX_BUDGET,
+    SETTLE_MIN_BUDGET,
+    ConformanceMachine,
+    Recorder,
+    machine_for,
+    settle_calls,
+)
 
 # Targets of the mutation matrix under the ``ci`` profile.
 MAX_SHRUNK_STEPS = 8
@@ -149,13 +158,83 @@ def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
     config, program, found = simplest(failure.config, list(failure.program), disagrees)
     if found is None:
         return failure
+    program, found, rules = regrouped(machine, config, program, found, disagrees(config))
     return replace(
         failure,
         config=config,
         program=tuple(program),
         disagreement=found,
-        rule_steps=min(failure.rule_steps, len(program)),
+        rule_steps=min(failure.rule_steps, rules),
     )
+
+
+# Calls a rule makes after its first: the stats drained after a completion, a drain or a reset.
+_FOLLOWS = {"stats": ("store", "load", "drain", "reset")}
+_SETTLING = ("step", "drain", "stats")
+
+
+def rules_of(program: Sequence[Call], settles: int = 0) -> int:
+    """The machine rules that make ``program``: a call each, but the stats drained after a
+    completion, a drain or a reset (part of that rule); ``settles`` runs of it are one
+    ``settle`` rule each, and counted as such."""
+    calls = sum(
+        1
+        for i, call in enumerate(program)
+        if not (i and call[0] in _FOLLOWS and program[i - 1][0] in _FOLLOWS[call[0]])
+    )
+    return calls + settles
+
+
+def regrouped(
+    machine: type[ConformanceMachine],
+    config: OffloadConfig,
+    program: list[Call],
+    found: str,
+    disagrees: Callable[[list[Call]], str | None],
+) -> tuple[list[Call], str, int]:
+    """A reduced program with runs of steps and drains made one ``settle`` rule where it
+    still disagrees the same way, and its count of rules. Hypothesis shrinks choices and the
+    call-level pass deletes calls: neither turns ``step, step, drain`` into the one rule that
+    runs the engine until it is idle, so a counterexample drawn without ``settle`` keeps a
+    rule per call (S21: 9 rules, of which a settle makes 3). Each candidate is the calls
+    the rule makes from the model's state before the run (:func:`settle_calls`), with its
+    largest budget, so that the program stays one the machine can make; the run is cut
+    after the call that disagrees."""
+    wanted = kind(found)
+    settles: list[tuple[int, int]] = []  # [start, end) of the runs made settle rules
+    start = 0
+    while start < len(program):
+        end = start
+        while end < len(program) and program[end][0] in _SETTLING:
+            end += 1
+        run = program[start:end]
+        budgets = [c[1] for c in run if c[0] == "step"]
+        if budgets and rules_of(run) >= 2:
+            model = OffloadModel(config, variant=machine.variant, check=False)
+            for call in program[:start]:
+                outcome(model, call)
+            budget = min(max(max(budgets), SETTLE_MIN_BUDGET), SETTLE_MAX_BUDGET)
+            settle = settle_calls(model, budget, machine.reports_stats)
+            candidate = program[:start] + settle + program[end:]
+            result = replay(disagrees, candidate)
+            if settle and result is not None and kind(result) == wanted:
+                at = _call_index(result)
+                program = candidate[: at + 1] if at is not None else candidate
+                found = result
+                settles.append((start, min(start + len(settle), len(program))))
+                start += len(settle)
+                continue
+        start = max(end, start + 1)
+    inside = sum(end - start for start, end in settles)
+    loose = [c for i, c in enumerate(program) if not any(a <= i < b for a, b in settles)]
+    assert len(loose) == len(program) - inside
+    return program, found, rules_of(loose, len(settles))
+
+
+def _call_index(found: str) -> int | None:
+    """The index of the call a difference names (``call N (...)``), if it names one."""
+    match = re.match(r"call (\d+) ", found)
+    return int(match.group(1)) if match else None
 
 
 def simplest(

@@ -37,7 +37,7 @@ from kvoffload.testing.adapters import (
     unsupported,
 )
 from kvoffload.testing.failure import Failure, validate
-from kvoffload.testing.lockstep import Call, as_outcome, compare
+from kvoffload.testing.lockstep import Call, as_outcome, compare, outcome
 
 # (group block sizes, hash block size, sliding windows): full attention, then hybrid layouts
 # with one sliding-window group whose window the prompts slide past. A window of 3 needs a
@@ -80,7 +80,8 @@ SKIP_READING = st.integers(0, 7).map(lambda n: n == 7)
 SETTLE_ROUNDS = 8  # requests that deadlock on a full pool (no preemption) stop it
 HOLD_OUTPUTS = 4  # a filler held by ``evict`` decodes this long: it keeps its blocks
 BUDGETS = st.integers(0, 24)
-SETTLE_BUDGETS = st.integers(8, 32)  # enough for a prompt and its outputs in a few rounds
+SETTLE_MIN_BUDGET, SETTLE_MAX_BUDGET = 8, 32  # a prompt and its outputs in a few rounds
+SETTLE_BUDGETS = st.integers(SETTLE_MIN_BUDGET, SETTLE_MAX_BUDGET)
 # Tiny pools, so that eviction, failed allocation and the CPU capacity limit happen.
 SETUP = initialize(
     layout=st.sampled_from(LAYOUTS),
@@ -133,6 +134,29 @@ class Recorder:
             for layout, n in sorted(self.layout_programs.items())
             if (seconds := self.layout_seconds.get(layout, 0.0)) > 0
         }
+
+
+def busy(model: OffloadModel) -> bool:
+    """Whether the engine has work left: a live request, a completion owed, a store queued."""
+    return bool(
+        model.live_requests()
+        or model.outstanding("store")
+        or model.outstanding("load")
+        or model.has_pending_stores()
+    )
+
+
+def settle_calls(model: OffloadModel, budget: int, reports_stats: bool) -> list[Call]:
+    """The calls the ``settle`` rule makes from ``model``'s state, applied to ``model`` as
+    they are made: the rule's program, for a reduction that groups calls into rules."""
+    calls: list[Call] = []
+    for _ in range(SETTLE_ROUNDS):
+        if not busy(model):
+            break
+        for call in [("step", budget), ("drain",), *([("stats",)] if reports_stats else [])]:
+            outcome(model, call)
+            calls.append(call)
+    return calls
 
 
 class ConformanceMachine(RuleBasedStateMachine):
@@ -306,13 +330,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             self.read_stats()
 
     def busy(self) -> bool:
-        model = self.model
-        return bool(
-            model.live_requests()
-            or model.outstanding("store")
-            or model.outstanding("load")
-            or model.has_pending_stores()
-        )
+        return busy(self.model)
 
     @precondition(lambda self: bool(self.model.live_requests()))
     @rule(data=st.data())

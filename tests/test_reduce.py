@@ -4,11 +4,12 @@ same kind of difference; and the simplest configuration that still shows it."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from kvoffload.model import OffloadConfig
-from kvoffload.testing.campaign import reduced, simpler_config, simplest
+from kvoffload.testing.campaign import reduced, regrouped, rules_of, simpler_config, simplest
 from kvoffload.testing.failure import Failure
-from kvoffload.testing.lockstep import Call, first_disagreement
+from kvoffload.testing.lockstep import Call, disagreement, first_disagreement
 from kvoffload.testing.reduce import kind, reduce_program
 from kvoffload.testing.stateful import machine_for
 
@@ -114,3 +115,55 @@ def test_a_call_only_the_lazy_program_needs_goes_with_lazy_mode() -> None:
     config, reduced_program, found = simplest(lazy, program, checker)
     assert not config.lazy and reduced_program == [("add", "a", [1], 1), ("finish", "a")]
     assert found is not None and "snapshots differ in ['cpu']" in found
+
+
+def test_stats_drained_after_a_completion_belong_to_its_rule() -> None:
+    program: list[Call] = [("add", "a", [1], 1), ("step", 8), ("drain",), ("stats",)]
+    assert rules_of(program) == 3
+    assert rules_of([*program, ("reset",), ("stats",), ("stats",)]) == 5
+    assert rules_of([("step", 8), ("drain",)], settles=1) == 3
+
+
+PHANTOM = OffloadConfig(gpu_blocks=4, cpu_blocks=2, group_block_sizes=(4,), hash_block_size=4)
+
+
+def _phantom() -> tuple[type[Any], Callable[[list[Call]], str | None]]:
+    machine = machine_for("fault:phantom-primary", loads=False)
+    return machine, lambda calls: disagreement(machine.adapter, machine.variant, PHANTOM, calls)
+
+
+def test_steps_and_drains_become_one_settle_rule_where_the_difference_stays() -> None:
+    machine, disagrees = _phantom()
+    program: list[Call] = [("add", "r0", [0, 1, 2, 3], 2), ("step", 8), ("step", 8)]
+    found = disagrees(program)
+    assert found is not None and rules_of(program) == 3
+    regrouped_program, again, rules = regrouped(machine, PHANTOM, program, found, disagrees)
+    # add_request, then settle: its first round computes the prompt, its second stores it
+    assert rules == 2 and kind(again) == kind(found)
+    assert regrouped_program == [
+        ("add", "r0", [0, 1, 2, 3], 2),
+        ("step", 8),
+        ("drain",),
+        ("stats",),
+        ("step", 8),
+    ]
+
+
+def test_a_settle_that_loses_the_difference_is_not_taken() -> None:
+    machine = machine_for("fault:stats-pending-skips-abandoned", loads=False)
+
+    def disagrees(calls: list[Call]) -> str | None:
+        return disagreement(machine.adapter, machine.variant, PHANTOM, calls)
+
+    # A store in flight at the reset: settling first would complete it, and the reset
+    # would then abandon nothing.
+    program: list[Call] = [
+        ("add", "r0", [0, 1, 2, 3], 2),
+        ("step", 8),
+        ("step", 8),
+        ("reset",),
+        ("stats",),
+    ]
+    found = disagrees(program)
+    assert found is not None
+    assert regrouped(machine, PHANTOM, program, found, disagrees) == (program, found, 4)
