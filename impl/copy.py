@@ -76,7 +76,10 @@ def rows(tensor: torch.Tensor) -> torch.Tensor:
 def consecutive(ids: Sequence[int]) -> bool:
     """Whether ``ids`` are ``a, a + 1, ..., a + n - 1``."""
     n = len(ids)
-    return n > 0 and ids[-1] - ids[0] == n - 1 and list(ids) == list(range(ids[0], ids[0] + n))
+    if n == 0 or ids[-1] - ids[0] != n - 1:
+        return False
+    as_list = ids if isinstance(ids, list) else list(ids)
+    return as_list == list(range(ids[0], ids[0] + n))
 
 
 def host_runs(host_ids: Sequence[int], other_ids: Sequence[int]) -> list[tuple[int, list[int]]]:
@@ -142,8 +145,16 @@ def mapped_pays(host_ids: Sequence[int], row_bytes: int) -> bool:
     host memory: the host side is cut into runs averaging under :data:`MAPPED_MAX_RUN`."""
     if not host_ids or consecutive(host_ids):
         return False
-    runs = 1 + sum(b != a + 1 for a, b in itertools.pairwise(host_ids))
-    return len(host_ids) * row_bytes < runs * MAPPED_MAX_RUN
+    total = len(host_ids) * row_bytes
+    # The mean run is under the limit once runs * MAPPED_MAX_RUN > total: counted until
+    # then only (a scattered batch answers after a few ids, not after all of them).
+    runs = 1
+    for a, b in itertools.pairwise(host_ids):
+        if b != a + 1:
+            runs += 1
+            if runs * MAPPED_MAX_RUN > total:
+                return True
+    return runs * MAPPED_MAX_RUN > total
 
 
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:

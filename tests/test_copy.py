@@ -117,6 +117,15 @@ def test_mapped_memory_pays_for_a_host_side_cut_into_short_runs_only() -> None:
     assert mapped_pays([*range(64), *range(100, 164)], MAPPED_MAX_RUN // 128)
 
 
+@given(st.lists(st.integers(0, 40), max_size=30), st.sampled_from([1, 4096, 2 * MAPPED_MAX_RUN]))
+def test_mapped_memory_pays_where_host_runs_average_under_the_limit(
+    host_ids: list[int], row_bytes: int
+) -> None:
+    runs = len(host_runs(host_ids, host_ids))
+    mean_under = bool(host_ids) and len(host_ids) * row_bytes < runs * MAPPED_MAX_RUN
+    assert mapped_pays(host_ids, row_bytes) == (mean_under and not consecutive(host_ids))
+
+
 def test_without_cuda_and_page_locked_memory_there_is_no_mapped_view() -> None:
     host = rows(torch.zeros(4, 64, dtype=torch.uint8))
     assert mapped_view(host, CPU) is None
