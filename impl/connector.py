@@ -744,6 +744,11 @@ class Connector:
             return False
         return self.cpu.clear_cache()
 
+    def serves_nothing(self) -> bool:
+        """Whether the CPU tier holds no key (a prefix-cache reset that leaves the connector
+        alone reports success only then: vLLM issue #57727)."""
+        return not self.cpu.index
+
     def release_flushes(self) -> None:
         """PR #53532: flushes that were never sent are released at reset."""
         for flush in self.flushes:

@@ -30,6 +30,7 @@ from kvoffload.model.types import NO_EVENT, FinishResult, KVEvent, OffloadStats,
 from kvoffload.model.validate import (
     owed_completions,
     require_damageable,
+    require_flag,
     require_int,
     require_live_request,
     require_tokens,
@@ -237,6 +238,15 @@ class OffloadImpl:
 
     def reset(self) -> bool:
         return self.connector.reset()
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """The GPU prefix cache cleared when no block is in use, then the connector's reset
+        if asked; True only if neither tier serves a hit afterwards (vLLM issue #57727)."""
+        flag = require_flag("reset_connector", reset_connector)
+        gpu = self.engine.gpu.clear_cache()
+        if flag:
+            return self.connector.reset() and gpu
+        return gpu and self.connector.serves_nothing()
 
     def has_pending_stores(self) -> bool:
         return self.connector.pending()

@@ -289,6 +289,15 @@ class StatsLoadCountKept(Connector):
         return report
 
 
+class ResetReportsGpuOnly(Connector):
+    """vLLM issue #57727 (live in 0.34.0): ``Scheduler.reset_prefix_cache`` without the
+    connector's reset answers with the GPU's reset alone, so a reset reported as done
+    leaves the CPU tier serving hits computed before it (under old weights, say)."""
+
+    def serves_nothing(self) -> bool:
+        return True
+
+
 class StoreSkipsComputeWait(Worker):
     """vLLM #45704: the store copy must wait on an event recorded after the step's compute;
     without the wait it can read KV the compute stream has not written yet."""
@@ -383,6 +392,7 @@ FAULTS: dict[str, Fault] = {
         Fault("preempt-keeps-table", PreemptKeepsTable, "TABLE"),
         Fault("stats-pending-skips-abandoned", StatsPendingSkipsAbandoned, "STATS"),
         Fault("stats-load-count-kept", StatsLoadCountKept, "STATS"),
+        Fault("reset-reports-gpu-only", ResetReportsGpuOnly, "RESET"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

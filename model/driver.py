@@ -26,6 +26,7 @@ from kvoffload.model.validate import (
     owed_completions,
     require_completion,
     require_damageable,
+    require_flag,
     require_int,
     require_live_request,
     require_new_request,
@@ -156,6 +157,18 @@ class OffloadModel:
         """The connector's ``reset()``: True when the CPU cache could be cleared."""
         self._begin()
         result = self.engine.connector.reset()
+        self._end()
+        return result
+
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache`` (no running request preempted): the GPU
+        prefix cache is cleared if no block is in use, then, with ``reset_connector``, the
+        connector's ``reset()``. True only if afterwards neither tier serves a hit: without
+        ``reset_connector`` a CPU tier that still holds keys makes it False (vLLM issue
+        #57727: vLLM reports the GPU's reset alone)."""
+        flag = require_flag("reset_connector", reset_connector)
+        self._begin()
+        result = self.engine.reset_prefix_cache(flag)
         self._end()
         return result
 

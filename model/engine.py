@@ -269,6 +269,19 @@ class Engine:
                     finished.append(req_id)
         return StepResult(scheduled, tuple(loading), tuple(finished), metadata, tuple(preempted))
 
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache`` without preempting: the GPU pool's reset
+        (refused while any block is in use), then the connector's, asked or not; the answer
+        is whether neither tier serves a hit now."""
+        gpu = self.gpu_pool.reset_prefix_cache()
+        if reset_connector:
+            # As vLLM's: the connector is reset even when the GPU's reset was refused.
+            result = self.connector.reset() and gpu
+        else:
+            result = gpu and self.connector.serves_nothing()
+        self.connector.prefix_reset_log.append(result)
+        return result
+
     def _preempt(self, request_id: str) -> None:
         """vLLM's ``_preempt_request`` (the caller took it out of the running queue): its
         blocks are freed, it starts over from the front of the waiting queue."""

@@ -275,6 +275,10 @@ def reset(state: Engine) -> Iterator[str]:
             yield f"reset() returned {r.returned} with abandoned={r.abandoned}, idle={r.cpu_idle}"
         if r.returned and (c.cpu_pool.cached or any(b.block_hash for b in c.cpu_pool.blocks)):
             yield "reset() returned True but the CPU pool still holds keys"
+    for returned in c.prefix_reset_log:
+        if returned and (state.gpu_pool.cached or c.cpu_pool.cached):
+            tier = "GPU" if state.gpu_pool.cached else "CPU"
+            yield f"reset_prefix_cache() returned True but the {tier} map still holds keys"
 
 
 def stats(state: Engine) -> Iterator[str]:
@@ -552,7 +556,7 @@ def exercised(state: Engine) -> set[str]:
         "REGISTERED": bool(c.completion_log),
         "PENDING": c.has_pending_stores(),
         "IN-FLIGHT": bool(c.in_flight_store_gpu_blocks),
-        "RESET": bool(c.reset_log),
+        "RESET": bool(c.reset_log or c.prefix_reset_log),
         "EVENTS": bool(c.store_event_counter or c.load_event_counter),
         "FLUSH-COMPLETE": any(any(r.confirmed_blocks) for r in state.finish_records),
         "LOAD-PINNED": bool(c.pending_cpu_hits or _loads(state)),

@@ -25,7 +25,8 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - IN-FLIGHT: the in-flight set is exactly the GPU blocks of queued flushes and in-flight
   (not abandoned) store events.
 - RESET: after ``reset()`` no flush is queued; it returns True iff nothing was abandoned
-  and the CPU pool was fully free, and then the CPU map is empty.
+  and the CPU pool was fully free, and then the CPU map is empty. A prefix-cache reset
+  (``reset_prefix_cache``) that returns True leaves neither tier's map holding a key.
 - EVENTS: event ids are below their counters, counters never go back, an event is
   processed once, partial counts stay below ``world_size``.
 - FLUSH-COMPLETE: when a tracked request finishes, every block confirmed by then has a
@@ -265,6 +266,7 @@ class OffloadScheduler:
         self.completion_log: list[CompletionRecord] = []
         self.dropped_log: list[Transfer] = []  # stores dropped for a failed copy
         self.reset_log: list[ResetRecord] = []
+        self.prefix_reset_log: list[bool] = []  # what each reset_prefix_cache returned
         self.stats_log: list[StatsRecord] = []
         self.completed_loads: list[int] = []  # since the last drain, GPU blocks of each
         self.lazy_scan_log: list[LazyScanRecord] = []
@@ -955,12 +957,18 @@ class OffloadScheduler:
         self.reset_log.append(ResetRecord(returned, abandoned, cpu_idle))
         return returned
 
+    def serves_nothing(self) -> bool:
+        """Whether the CPU tier holds no key it could serve (vLLM issue #57727: a prefix-cache
+        reset that leaves the connector alone reports success only then)."""
+        return not self.cpu_pool.cached
+
     def clear_logs(self) -> None:
         """Forget the ghost records of the previous driver call."""
         self.selection_log.clear()
         self.completion_log.clear()
         self.dropped_log.clear()
         self.reset_log.clear()
+        self.prefix_reset_log.clear()
         self.stats_log.clear()
         self.lazy_scan_log.clear()
         self.lazy_return_log.clear()

@@ -75,11 +75,15 @@ def require_new_request(
     require_request_fits(config, request_id, tokens, max_tokens)
     if request_id in known:
         raise DuplicateRequestError(f"request {request_id!r} already exists")
-    if not isinstance(skip_reading_prefix_cache, bool):
-        raise InvalidArgumentError(
-            f"skip_reading_prefix_cache must be a bool, got {skip_reading_prefix_cache!r}"
-        )
+    require_flag("skip_reading_prefix_cache", skip_reading_prefix_cache)
     return tokens
+
+
+def require_flag(name: str, value: object) -> bool:
+    """A flag of a call must be a bool (an int is not taken for one)."""
+    if not isinstance(value, bool):
+        raise InvalidArgumentError(f"{name} must be a bool, got {value!r}")
+    return value
 
 
 def require_live_request(request_id: str, status: str | None) -> None:

@@ -358,6 +358,15 @@ class InclusiveCpuScheduler(ResetReleasesHitsScheduler):
         return super().reset()
 
 
+class ResetGpuOnlyScheduler(OffloadScheduler):
+    """vLLM issue #57727, every release: ``Scheduler.reset_prefix_cache`` without
+    ``reset_connector`` answers with the GPU's reset alone, though the CPU tier still
+    serves hits (the connector is not asked)."""
+
+    def serves_nothing(self) -> bool:
+        return True
+
+
 _VLLM_029 = (
     PrimaryOnlyScheduler,
     NoFinalFlushScheduler,
@@ -366,6 +375,7 @@ _VLLM_029 = (
     WindowNoRecoverScheduler,
     WindowStaleIdsScheduler,
     PreemptKeepsTableScheduler,
+    ResetGpuOnlyScheduler,
 )
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
@@ -399,6 +409,7 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     "pool-0.23": AppendingPoolScheduler,
     "reset-releases-hits": ResetReleasesHitsScheduler,
     "inclusive-cpu": InclusiveCpuScheduler,
+    "reset-gpu-only": ResetGpuOnlyScheduler,
 }
 # The variants that change what vLLM means to do; every other one models a bug.
 INTENDED = ("fixed", "reset-releases-hits", "inclusive-cpu", "selection-0.29", "pool-0.23")

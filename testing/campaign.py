@@ -169,7 +169,7 @@ def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
 
 
 # Calls a rule makes after its first: the stats drained after a completion, a drain or a reset.
-_FOLLOWS = {"stats": ("store", "load", "drain", "reset")}
+_FOLLOWS = {"stats": ("store", "load", "drain", "reset", "reset_prefix_cache")}
 _SETTLING = ("step", "drain", "stats")
 
 

@@ -44,6 +44,7 @@ CALLS: dict[str, tuple[str, ...]] = {
     "store": ("int", "int"),
     "load": ("int", "int"),
     "reset": (),
+    "reset_prefix_cache": ("flag",),
     "lookup": ("ints",),
     "stats": (),
     "drain": (),

@@ -3,10 +3,10 @@ comparing every result, every snapshot and the KV bytes after every call.
 
 A program is a list of calls, each a tuple: ``("add", id, prompt, max_tokens)``,
 ``("step", budget)``, ``("finish", id)``, ``("store", event, worker)``, ``("load", event,
-worker)``, ``("reset",)``, ``("lookup", prompt)``, ``("stats",)`` (drained), ``("drain",)``
-(every outstanding completion, loads first), and the injected faults ``("fail_store", event,
-worker)`` (a worker's copy failed) and ``("corrupt", cpu_block, worker)`` (a cached host block
-damaged)."""
+worker)``, ``("reset",)``, ``("reset_prefix_cache", reset_connector)``, ``("lookup",
+prompt)``, ``("stats",)`` (drained), ``("drain",)`` (every outstanding completion, loads
+first), and the injected faults ``("fail_store", event, worker)`` (a worker's copy failed) and
+``("corrupt", cpu_block, worker)`` (a cached host block damaged)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,8 @@ def apply(target: OffloadModel | Target, call: Call) -> object:
         return target.complete_load(*args)
     if name == "reset":
         return target.reset()
+    if name == "reset_prefix_cache":
+        return target.reset_prefix_cache(*args)
     if name == "lookup":
         return target.lookup(*args)
     if name == "stats":

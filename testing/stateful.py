@@ -373,6 +373,14 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.run(("reset",), "reset")
         self.read_stats()
 
+    # vLLM's Scheduler.reset_prefix_cache, with the connector's reset or without (vLLM issue
+    # #57727: without it, vLLM reports success while the CPU tier still serves hits).
+    @precondition(lambda self: self.resets)
+    @rule(reset_connector=st.booleans())
+    def reset_prefix_cache(self, reset_connector: bool) -> None:
+        self.run(("reset_prefix_cache", reset_connector), "reset_prefix_cache")
+        self.read_stats()
+
     # Faults injected into the target (issue 14): a worker whose copy failed, a cached host
     # block whose bytes were damaged. The model says what must follow (the integrity
     # contract of docs/spec.md), so a weakened integrity check is a disagreement like any
@@ -437,6 +445,8 @@ class ConformanceMachine(RuleBasedStateMachine):
             ("store", -1, 0),
             ("store", 0, self.config.world_size),
         ]
+        if self.resets:
+            calls.append(("reset_prefix_cache", 1))  # the flag must be a bool
         calls += [("add", r, [0], 1) for r in live + finished]
         calls += [("finish", r) for r in finished]
         for kind, counter in counters.items():

@@ -95,6 +95,10 @@ class TrivialMachine(RuleBasedStateMachine):
     def reset(self) -> None:
         self.count()
 
+    @rule(reset_connector=st.booleans())
+    def reset_prefix_cache(self, reset_connector: bool) -> None:
+        self.count()
+
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def fail_store(self, data: st.DataObject) -> None:

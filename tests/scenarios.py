@@ -207,6 +207,22 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("step", 64),
         ],
     ),
+    # A prompt stored on the CPU and finished: a prefix-cache reset without the connector's
+    # clears the GPU but reports failure, since the CPU still serves the prompt (#57727);
+    # with the connector's reset both tiers are cleared and it reports success.
+    "prefix-reset-keeps-cpu": (
+        cfg(),
+        [
+            ("add", "r", P33, 1),
+            ("step", 64),
+            ("step", 0),
+            ("drain",),
+            ("reset_prefix_cache", False),
+            ("lookup", P33),
+            ("reset_prefix_cache", True),
+            ("lookup", P33),
+        ],
+    ),
     # Stats drained as a metrics logger does: the CPU blocks of a store in flight are
     # pending, and stay pending once a reset abandons it, until its copy completes.
     "stats-across-reset": (

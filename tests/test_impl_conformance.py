@@ -39,6 +39,7 @@ FAULT_SCENARIO = {
     "preempt-keeps-table": "preempt-and-resume",
     "stats-pending-skips-abandoned": "stats-across-reset",
     "stats-load-count-kept": "stats-count-a-load-once",
+    "reset-reports-gpu-only": "prefix-reset-keeps-cpu",
 }
 
 

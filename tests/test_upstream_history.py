@@ -62,7 +62,11 @@ def test_each_release_runs_once_with_each_check_once_in_release_order() -> None:
     assert list(plan) == ["0.29.0", "0.30.0", "0.33.0", "0.34.0"]
     assert len(plan["0.29.0"]) == 2  # S9 and S10, one process
     assert plan["0.30.0"] == [
-        Check("lazy-0.33+window-stale-ids+preempt-keeps-table", "conform", "0.30.0 conforms")
+        Check(
+            "lazy-0.33+window-stale-ids+reset-gpu-only+preempt-keeps-table",
+            "conform",
+            "0.30.0 conforms",
+        )
     ]  # once for both
     every = history.checks_by_release(select("S9"), releases=True)
     assert list(every) == sorted(RELEASES, key=_version)

@@ -55,11 +55,15 @@ def test_a_checkout_says_its_version_by_its_tag(tmp_path: Path) -> None:
 
 
 def test_a_version_is_held_to_its_row_or_the_newest_release_before_it() -> None:
-    assert governing_release("0.34.0").model_variant == "inclusive-cpu+window-stale-ids"
+    assert (
+        governing_release("0.34.0").model_variant == "inclusive-cpu+window-stale-ids+reset-gpu-only"
+    )
     assert governing_release("0.34.1.dev3+g1a2b").version == "0.34.0"
     assert governing_release("0.34.0+g1a2b").version == "0.34.0"
     assert governing_release("0.34.0rc1").version == "0.33.0"  # before 0.34.0
-    assert governing_release("0.35.0").model_variant == "inclusive-cpu+window-stale-ids"
+    assert (
+        governing_release("0.35.0").model_variant == "inclusive-cpu+window-stale-ids+reset-gpu-only"
+    )
     assert governing_release("0.29.7").model_variant == "vllm-0.29"
     assert governing_release(None).model_variant == "fixed"
 
@@ -106,7 +110,10 @@ def test_a_bug_planted_in_a_copy_of_vllm_is_found(tmp_path: Path) -> None:
     tree = _copy_of_0_34(tmp_path / "tree")
     clean = _verify(f"vllm@{tree}", tmp_path)
     assert clean.returncode == 0, clean.stdout[-3000:] + clean.stderr[-3000:]
-    assert f"vllm@{tree} (0.34.0) vs inclusive-cpu+window-stale-ids: as expected" in clean.stdout
+    assert (
+        f"vllm@{tree} (0.34.0) vs inclusive-cpu+window-stale-ids+reset-gpu-only: as expected"
+        in clean.stdout
+    )
     manager = tree / MANAGER
     source = manager.read_text()
     call = "        self._queue_finished_eager_store(request, block_ids)\n"
@@ -115,8 +122,9 @@ def test_a_bug_planted_in_a_copy_of_vllm_is_found(tmp_path: Path) -> None:
     manager.write_text(source.replace(call, "        pass  # planted: no final flush\n"))
     planted = _verify(f"vllm@{tree}", tmp_path)
     assert planted.returncode == 1, planted.stdout[-3000:] + planted.stderr[-3000:]
-    assert "vs inclusive-cpu+window-stale-ids: expected to conform, but it disagrees" in (
-        planted.stdout
+    assert (
+        "vs inclusive-cpu+window-stale-ids+reset-gpu-only: expected to conform, but it disagrees"
+        in (planted.stdout)
     )
     assert "flush" in planted.stdout and "first_disagreement(config, program" in planted.stdout
     release = Cache(default_cache()).release("0.34.0") / MANAGER

@@ -57,9 +57,10 @@ _S12 = "serves-skip-reading"
 _S14 = "window-no-recover"
 # vLLM 0.30.0 to 0.33.0's lazy mode (S26 and S27), which every fixed model of them includes.
 _LAZY = "lazy-0.33"
-# Live in every release that draws sliding windows (0.24.0 to 0.34.0), so every model of them
-# includes it: the scan stores a window block freed and reused by another position.
-_LIVE = "window-stale-ids"
+# Live in every release that draws sliding windows and resets (0.24.0 to 0.34.0), so every
+# model of them includes both: the scan stores a window block freed and reused by another
+# position; a prefix-cache reset without the connector's reports success (#57727).
+_LIVE = "window-stale-ids+reset-gpu-only"
 # Up to 0.31.0 (S20): a preempted request resumed as a new one keeps its old store table.
 _S20 = "preempt-keeps-table"
 BUGS: list[HistoricalBug] = [

@@ -66,7 +66,7 @@ RELEASES = {
                 Check("fixed", "disagree", "a bug of #53498 against the fixed model"),
                 Check(
                     "bug-53498-primary-only+serves-skip-reading+window-no-recover+window-stale-ids"
-                    "+preempt-keeps-table+selection-0.29",
+                    "+reset-gpu-only+preempt-keeps-table+selection-0.29",
                     "disagree",
                     "with its registration, its CPU hits for requests that skip reading, its "
                     "window scan, resumption and selection loop modelled, the missing final flush",
@@ -82,18 +82,19 @@ RELEASES = {
         ),
         *_conforming(
             ["0.30.0", "0.31.0"],
-            "lazy-0.33+window-stale-ids+preempt-keeps-table",
+            "lazy-0.33+window-stale-ids+reset-gpu-only+preempt-keeps-table",
             "PR #53532 (0.30.0 is the first); lazy mode's scan cursor and return to the tail; "
             "a resumed request's old store table kept (S20)",
             "the fixed model, with the lazy mode of 0.30.0 to 0.33.0 (S26, S27), the "
-            "window scan's reused blocks and the store table kept across preemption",
+            "window scan's reused blocks, the prefix-cache reset of #57727 and the store table "
+            "kept across preemption",
         ),
         *_conforming(
             ["0.32.0", "0.33.0"],
-            "reset-releases-hits+lazy-0.33+window-stale-ids",
+            "reset-releases-hits+lazy-0.33+window-stale-ids+reset-gpu-only",
             "reset() releases the pins of CPU hits not yet allocated (S21)",
-            "the fixed model with 0.32's reset of lookup pins, 0.33's lazy mode and the "
-            "window scan's reused blocks",
+            "the fixed model with 0.32's reset of lookup pins, 0.33's lazy mode, the "
+            "window scan's reused blocks and the prefix-cache reset of #57727",
         ),
         Release(
             "0.34.0",
@@ -103,10 +104,18 @@ RELEASES = {
                 # the machine meets it in a few thousand programs, more than a check's budget
                 # promises; tests/test_upstream_history.py replays its counterexample.
                 Check(
-                    "inclusive-cpu+window-stale-ids",
+                    "inclusive-cpu+window-stale-ids+reset-gpu-only",
                     "conform",
-                    "the fixed model with 0.34's refresh of the CPU copy of GPU hits and the "
-                    "window scan's reused blocks",
+                    "the fixed model with 0.34's refresh of the CPU copy of GPU hits, the "
+                    "window scan's reused blocks and the prefix-cache reset of #57727",
+                ),
+                # vLLM issue #57727, live: Scheduler.reset_prefix_cache without the
+                # connector's reset reports success while the CPU tier still serves hits.
+                Check(
+                    "inclusive-cpu+window-stale-ids",
+                    "disagree",
+                    "the prefix-cache reset of #57727 against the model's",
+                    finds="reset_prefix_cache",
                 ),
             ),
         ),

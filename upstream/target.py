@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict
+from types import SimpleNamespace
 from typing import Any
 
 from kvoffload.model.config import OffloadConfig
@@ -43,6 +44,7 @@ from kvoffload.model.types import (
 from kvoffload.model.validate import (
     owed_completions,
     require_completion,
+    require_flag,
     require_int,
     require_live_request,
     require_new_request,
@@ -130,6 +132,15 @@ class VllmOffload:
     def reset(self) -> bool:
         return bool(self.manager.reset())
 
+    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+        """vLLM's own ``Scheduler.reset_prefix_cache`` (no running request preempted), run on
+        what it reads of its scheduler: the KV cache manager resets vLLM's GPU pool, the
+        connector (``SimpleCPUOffloadConnector.reset_cache``) the offload scheduler."""
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        flag = require_flag("reset_connector", reset_connector)
+        return bool(Scheduler.reset_prefix_cache(_SchedulerView(self), False, flag))
+
     def has_pending_stores(self) -> bool:
         return bool(self.manager.has_pending_stores())
 
@@ -197,6 +208,28 @@ class VllmOffload:
             event.block_size,
             event.medium,
         )
+
+
+class _SchedulerView:
+    """The fields and methods of vLLM's ``Scheduler`` its ``reset_prefix_cache`` and
+    ``reset_connector_cache`` read, over the adapter's objects: nothing running (the
+    model's driver preempts no request for a reset), no stats, no auxiliary connector."""
+
+    def __init__(self, target: VllmOffload) -> None:
+        self.running: list[Any] = []
+        self.log_stats = False
+        self.aux_output_connector = None
+        self.connector_prefix_cache_stats = None
+        self.kv_cache_manager = SimpleNamespace(
+            reset_prefix_cache=target.world.gpu_pool.reset_prefix_cache
+        )
+        # SimpleCPUOffloadConnector.reset_cache on the scheduler side: the manager's reset.
+        self.connector = SimpleNamespace(reset_cache=target.manager.reset)
+
+    def reset_connector_cache(self) -> bool:
+        from vllm.v1.core.sched.scheduler import Scheduler
+
+        return bool(Scheduler.reset_connector_cache(self))
 
 
 # -- vLLM's state as a snapshot ---------------------------------------------------------------
