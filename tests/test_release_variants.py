@@ -109,12 +109,13 @@ def test_variants_compose() -> None:
         ("lazy-tail", "lazy-store-return-and-load", "LAZY-EVICT-FIRST"),
         ("window-no-recover", "window-block-recovered", "RECOVER"),
         ("window-stale-ids", "window-block-reused", "POSITION"),
+        ("reset-gpu-only", "prefix-reset-keeps-cpu", "RESET"),
     ],
 )
 def test_the_later_bugs_break_the_invariant_their_variant_names(
     variant: str, scenario: str, invariant: str
 ) -> None:
-    """The variants of S12, S27, S26, S14 and the live window scan bug, with every invariant
+    """The variants of S12, S27, S26, S14, the live window scan bug and #57727, with every invariant
     checked after every call: the fixed model runs the scenario clean, the variant breaks the
     invariant its docstring names."""
     config, program = SCENARIOS[scenario]
