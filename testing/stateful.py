@@ -354,9 +354,9 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.read_stats()
 
     def read_stats(self) -> None:
-        """Drain the stats, as a metrics logger does between steps. Part of the rule before
-        it, drawing nothing: the rules and draws of a program stay what they were before
-        stats were compared, so every earlier counterexample replays (issue 12)."""
+        """Drain the stats, as a metrics logger does between steps: part of the rule before
+        it, and drawing nothing, so that comparing them adds calls to a program and never
+        changes which rules and draws make it (issue 12)."""
         if self.reports_stats:
             self.run(("stats",), "stats", continued=True)
 
