@@ -344,6 +344,29 @@ def test_the_live_window_scan_bug_shows_in_vllm_and_its_variant_conforms(version
     assert buggy is not None and "store_gpu_blocks=(2,)" in buggy, buggy
 
 
+@pytest.mark.parametrize("version", ["0.30.0", "0.34.0"])
+def test_the_prefix_cache_reset_of_57727_shows_in_vllm_and_its_variant_conforms(
+    version: str,
+) -> None:
+    """vLLM issue #57727 (docs/upstream.md): a prefix-cache reset without the connector's
+    reports success while the CPU tier still serves the stored prompt. Against its row's model
+    the release conforms; against that model without ``reset-gpu-only`` the reset's answer
+    differs (vLLM True, the model False), and with the connector's reset both agree."""
+    config, program = SCENARIOS["prefix-reset-keeps-cpu"]
+    variant = RELEASES[version].model_variant
+    without = variant.replace("+reset-gpu-only", "")
+    assert without != variant
+    fields = (
+        *(config.gpu_blocks, config.cpu_blocks, config.group_block_sizes),
+        *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
+    )
+    conforming, buggy = _first_disagreements(
+        version, [(fields, program, variant), (fields, program, without)]
+    )
+    assert conforming is None, conforming
+    assert buggy is not None and buggy.startswith("call 4 ('reset_prefix_cache', False)"), buggy
+
+
 def test_an_unreachable_bug_has_no_checks() -> None:
     bug = HistoricalBug("S0", "", "", "0.1.0", "0.2.0", out_of_reach="a GPU")
     assert not bug.in_scope and history.checks_by_release([bug]) == {}
