@@ -154,7 +154,7 @@ def mapped_pays(host_ids: Sequence[int], row_bytes: int) -> bool:
             runs += 1
             if runs * MAPPED_MAX_RUN > total:
                 return True
-    return runs * MAPPED_MAX_RUN > total
+    return False  # every run counted, and the mean run is not under the limit
 
 
 def _index(ids: Sequence[int], device: torch.device) -> torch.Tensor:

@@ -108,6 +108,7 @@ class Worker:
         # device can address it: a transfer whose host blocks are scattered runs as kernels
         # over them instead of one DMA per block (kvoffload.impl.copy.mapped_pays).
         views = [mapped_view(t, device) for t in self.cpu_rows] if self.cuda else []
+        self.host_row_bytes = sum(t.shape[1] * t.element_size() for t in self.cpu_rows)
         self.cpu_mapped: list[torch.Tensor] | None = (
             [v for v in views if v is not None] if views and None not in views else None
         )
@@ -218,12 +219,6 @@ class Worker:
     def _launch(
         self, src_ids: Sequence[int], dst_ids: Sequence[int], to_device: bool, wait_compute: bool
     ) -> Transfer:
-        pairs = [
-            (cpu, gpu) if to_device else (gpu, cpu)
-            for gpu, cpu in zip(self.gpu_rows, self.cpu_rows, strict=True)
-        ]
-        host = torch.device("cpu")
-        src_device, dst_device = (host, self.device) if to_device else (self.device, host)
         if self.cuda:
             after_compute = torch.cuda.Event()
             after_compute.record(torch.cuda.current_stream(self.device))
@@ -231,20 +226,20 @@ class Worker:
                 if wait_compute:
                     self.copy_stream.wait_event(after_compute)
                 plan = self._cuda_plan(src_ids, dst_ids, to_device)
+                host_rows = self.cpu_rows
                 if plan.mapped:
                     assert self.cpu_mapped is not None
-                    pairs = [
-                        (cpu, gpu) if to_device else (gpu, cpu)
-                        for gpu, cpu in zip(self.gpu_rows, self.cpu_mapped, strict=True)
-                    ]
-                for src, dst in pairs:
+                    host_rows = self.cpu_mapped
+                for src, dst in self._pairs(host_rows, to_device):
                     plan.run_rows(src, dst)
                 done = torch.cuda.Event()
                 done.record(self.copy_stream)
             return Transfer(event=done)
         compute = self.compute
         marker = compute.record()
-        plan = CopyPlan(src_ids, dst_ids, src_device, dst_device)
+        # The CPU emulation: the "device" blocks are host memory too.
+        plan = CopyPlan(src_ids, dst_ids, self.device, self.device)
+        pairs = self._pairs(self.cpu_rows, to_device)
 
         # The job holds the streams and tensors, never the worker: a queued job must not keep
         # a dropped worker (and so its copy thread) alive.
@@ -257,6 +252,15 @@ class Worker:
         priority = self.copier.LOAD if to_device else self.copier.STORE
         return Transfer(job=self.copier.submit(priority, run), engine=self.copier)
 
+    def _pairs(
+        self, host_rows: Sequence[torch.Tensor], to_device: bool
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per group, the (source, destination) rows of a transfer."""
+        return [
+            (cpu, gpu) if to_device else (gpu, cpu)
+            for gpu, cpu in zip(self.gpu_rows, host_rows, strict=True)
+        ]
+
     def _cuda_plan(
         self, src_ids: Sequence[int], dst_ids: Sequence[int], to_device: bool
     ) -> CopyPlan:
@@ -264,8 +268,7 @@ class Worker:
         host, device = torch.device("cpu"), self.device
         src_device, dst_device = (host, device) if to_device else (device, host)
         host_ids = src_ids if to_device else dst_ids
-        row_bytes = sum(t.shape[1] * t.element_size() for t in self.cpu_rows)
-        mapped = self.cpu_mapped is not None and mapped_pays(host_ids, row_bytes)
+        mapped = self.cpu_mapped is not None and mapped_pays(host_ids, self.host_row_bytes)
         return CopyPlan(src_ids, dst_ids, src_device, dst_device, mapped=mapped)
 
     def wait_store(self, event: int) -> None:

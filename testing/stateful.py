@@ -146,6 +146,11 @@ def busy(model: OffloadModel) -> bool:
     )
 
 
+def settle_round(budget: int, reports_stats: bool) -> list[Call]:
+    """The calls of one round of the ``settle`` rule: a step, a drain, the stats drained."""
+    return [("step", budget), ("drain",), *([("stats",)] if reports_stats else [])]
+
+
 def settle_calls(model: OffloadModel, budget: int, reports_stats: bool) -> list[Call]:
     """The calls the ``settle`` rule makes from ``model``'s state, applied to ``model`` as
     they are made: the rule's program, for a reduction that groups calls into rules."""
@@ -153,7 +158,7 @@ def settle_calls(model: OffloadModel, budget: int, reports_stats: bool) -> list[
     for _ in range(SETTLE_ROUNDS):
         if not busy(model):
             break
-        for call in [("step", budget), ("drain",), *([("stats",)] if reports_stats else [])]:
+        for call in settle_round(budget, reports_stats):
             outcome(model, call)
             calls.append(call)
     return calls
@@ -325,9 +330,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         for n in range(SETTLE_ROUNDS):
             if not self.busy():
                 return
-            self.run(("step", budget), rule_name, continued=not (first and n == 0))
-            self.run(("drain",), rule_name, continued=True)
-            self.read_stats()
+            for i, call in enumerate(settle_round(budget, self.reports_stats)):
+                self.run(call, rule_name, continued=not (first and n == 0 and i == 0))
 
     def busy(self) -> bool:
         return busy(self.model)

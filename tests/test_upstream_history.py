@@ -175,7 +175,10 @@ def _scenario(name: str) -> tuple[tuple[Any, ...], list[Any]]:
     """A scenario of ``tests/scenarios.py`` as (the configuration's fields, the program)."""
     config, program = SCENARIOS[name]
     fields = (config.gpu_blocks, config.cpu_blocks, config.group_block_sizes)
-    return (*fields, config.hash_block_size, config.world_size, config.lazy), program
+    return (
+        *fields,
+        *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
+    ), program
 
 
 COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
@@ -324,22 +327,25 @@ def test_each_counterexample_shows_its_bug_and_conforms_once_fixed(version: str)
             assert found, f"{bug} in {version} vs {variant}: {got}"
 
 
+def _with_and_without(version: str, scenario: str, part: str) -> tuple[str | None, str | None]:
+    """A scenario's first disagreement in ``version``'s environment against its row's model,
+    and against that model without the variant ``part`` (a live bug the row models)."""
+    fields, program = _scenario(scenario)
+    variant = RELEASES[version].model_variant
+    without = variant.replace(f"+{part}", "")
+    assert without != variant
+    conforming, buggy = _first_disagreements(
+        version, [(fields, program, variant), (fields, program, without)]
+    )
+    return conforming, buggy
+
+
 @pytest.mark.parametrize("version", ["0.30.0", "0.34.0"])
 def test_the_live_window_scan_bug_shows_in_vllm_and_its_variant_conforms(version: str) -> None:
     """The counterexample of the live bug (docs/upstream.md): the release against its own row's
     model conforms; against that model without ``window-stale-ids`` it stores the reused
     block, which the fixed scan passes over."""
-    config, program = SCENARIOS["window-block-reused"]
-    variant = RELEASES[version].model_variant
-    without = variant.replace("+window-stale-ids", "")
-    assert without != variant
-    fields = (
-        *(config.gpu_blocks, config.cpu_blocks, config.group_block_sizes),
-        *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
-    )
-    conforming, buggy = _first_disagreements(
-        version, [(fields, program, variant), (fields, program, without)]
-    )
+    conforming, buggy = _with_and_without(version, "window-block-reused", "window-stale-ids")
     assert conforming is None, conforming
     assert buggy is not None and "store_gpu_blocks=(2,)" in buggy, buggy
 
@@ -352,17 +358,7 @@ def test_the_prefix_cache_reset_of_57727_shows_in_vllm_and_its_variant_conforms(
     reports success while the CPU tier still serves the stored prompt. Against its row's model
     the release conforms; against that model without ``reset-gpu-only`` the reset's answer
     differs (vLLM True, the model False), and with the connector's reset both agree."""
-    config, program = SCENARIOS["prefix-reset-keeps-cpu"]
-    variant = RELEASES[version].model_variant
-    without = variant.replace("+reset-gpu-only", "")
-    assert without != variant
-    fields = (
-        *(config.gpu_blocks, config.cpu_blocks, config.group_block_sizes),
-        *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
-    )
-    conforming, buggy = _first_disagreements(
-        version, [(fields, program, variant), (fields, program, without)]
-    )
+    conforming, buggy = _with_and_without(version, "prefix-reset-keeps-cpu", "reset-gpu-only")
     assert conforming is None, conforming
     assert buggy is not None and buggy.startswith("call 4 ('reset_prefix_cache', False)"), buggy
 
