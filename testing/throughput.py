@@ -100,6 +100,12 @@ class TrivialMachine(RuleBasedStateMachine):
         self.count()
 
     @precondition(lambda self: bool(self.live))
+    @rule(budget=SETTLE_BUDGETS)
+    def weight_update(self, budget: int) -> None:
+        self.live.clear()
+        self.count()
+
+    @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def fail_store(self, data: st.DataObject) -> None:
         data.draw(st.sampled_from(self.live))
