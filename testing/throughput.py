@@ -105,6 +105,12 @@ class TrivialMachine(RuleBasedStateMachine):
         self.live.clear()
         self.count()
 
+    @rule(data=st.data(), budget=SETTLE_BUDGETS)
+    def reload(self, data: st.DataObject, budget: int) -> None:
+        data.draw(st.sampled_from(self.prompts))
+        self.live.clear()
+        self.count()
+
     @precondition(lambda self: bool(self.live))
     @rule(data=st.data())
     def fail_store(self, data: st.DataObject) -> None:

@@ -76,7 +76,9 @@ def _programs_with_loads(loads: bool) -> int:
     return len(found)
 
 
-def test_the_evict_rule_makes_cpu_loads_common() -> None:
-    """The campaigns' machine loads from the CPU in more than twice as many programs as the
-    core rules alone (16 against 7 in these 300 programs; docs/conformance.md)."""
-    assert _programs_with_loads(True) > 2 * _programs_with_loads(False)
+@pytest.mark.parametrize("loads", [False, True])
+def test_cpu_loads_are_common(loads: bool) -> None:
+    """One program in ten or more loads from the CPU, with the core rules alone (the
+    ``reload`` rule; about one in forty before it) and with the campaigns' ``evict``
+    (docs/conformance.md)."""
+    assert _programs_with_loads(loads) >= 30
