@@ -14,7 +14,12 @@ import pytest
 from kvoffload.impl import FAULTS
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
-from kvoffload.testing.campaign import MAX_SHRUNK_STEPS, fault_campaign
+from kvoffload.testing.campaign import (
+    MAX_SHRUNK_STEPS,
+    fault_campaign,
+    matrix_verdict,
+    mutation_table,
+)
 
 
 @pytest.mark.parametrize("fault", list(FAULTS))
@@ -35,3 +40,16 @@ def test_each_fault_names_what_it_breaks() -> None:
     known = {*CHECKS, "KV-BYTES", "INPUT"}
     for name, fault in FAULTS.items():
         assert fault.breaks in known, f"{name} breaks unknown {fault.breaks!r}"
+
+
+def test_the_table_says_which_program_of_the_stream_first_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = fault_campaign("no-final-flush", profiles.get("ci"))
+    program = result.recorder.first_failing_program
+    assert program is not None and program >= 1
+    table = mutation_table([result]).splitlines()
+    row = next(line for line in table if line.startswith("| no-final-flush |"))
+    assert row.split(" | ")[3] == str(program)
+    assert matrix_verdict([result]).endswith(f"the latest first failure in program {program}")
