@@ -389,8 +389,8 @@ class ConformanceMachine(RuleBasedStateMachine):
     # reset_prefix_cache(reset_connector=True) is for: the round runs until no request is
     # live, then both tiers are reset. The step that finishes the last request queues its
     # final flush (PR #53532), and no later step sends it: the reset must release it. Drawn
-    # as one rule because `reset` lands right after a finishing step in about one of 200
-    # programs' resets, and the matrix found reset-leaks-flush on some streams only.
+    # as one rule because a `reset` drawn at random lands right after a finishing step about
+    # once in 200 resets, and the matrix found reset-leaks-flush on some streams only.
     @precondition(lambda self: self.resets and bool(self.model.live_requests()))
     @rule(budget=SETTLE_BUDGETS)
     def weight_update(self, budget: int) -> None:
