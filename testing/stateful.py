@@ -326,9 +326,13 @@ class ConformanceMachine(RuleBasedStateMachine):
     def settle(self, budget: int) -> None:
         self.settle_rounds(budget, "settle", first=True)
 
-    def settle_rounds(self, budget: int, rule_name: str, first: bool = False) -> None:
+    def settle_rounds(
+        self, budget: int, rule_name: str, first: bool = False, until_idle: bool = True
+    ) -> None:
+        """Rounds of a step and a drain until the engine is idle (``until_idle``) or no
+        request is live; ``first``: the rule's first call is this one's."""
         for n in range(SETTLE_ROUNDS):
-            if not self.busy():
+            if not (self.busy() if until_idle else self.model.live_requests()):
                 return
             for i, call in enumerate(settle_round(budget, self.reports_stats)):
                 self.run(call, rule_name, continued=not (first and n == 0 and i == 0))
@@ -394,11 +398,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     @precondition(lambda self: self.resets and bool(self.model.live_requests()))
     @rule(budget=SETTLE_BUDGETS)
     def weight_update(self, budget: int) -> None:
-        for n in range(SETTLE_ROUNDS):
-            if not self.model.live_requests():
-                break
-            for i, call in enumerate(settle_round(budget, self.reports_stats)):
-                self.run(call, "weight_update", continued=n > 0 or i > 0)
+        self.settle_rounds(budget, "weight_update", first=True, until_idle=False)
         self.run(("reset_prefix_cache", True), "weight_update", continued=True)
         self.read_stats()
 
