@@ -1,6 +1,6 @@
 """The implementation's offload scheduler: CPU offloading as vLLM 0.30.0's
-``SimpleCPUOffloadScheduler`` for full-attention and sliding-window groups, with kv-cache
-events, eager or lazy as 0.34.0 has it, written for speed.
+``SimpleCPUOffloadScheduler`` for full-attention, sliding-window and chunked local groups, with
+kv-cache events, eager or lazy as 0.34.0 has it, written for speed.
 
 State is in arrays (:mod:`kvoffload.impl.pool`): transfers, hits and loads hold block ids,
 and every pool operation takes a whole batch. Selection walks each group's block table from
@@ -83,19 +83,22 @@ class Connector:
         self.sizes = config.group_block_sizes
         self.align = config.scheduler_block_size
         self.hbs = config.hash_block_size
-        # Spec groups (kind, window, group ids): full attention first; one group list
-        # empty when every group is full attention (looked up together, the fast path).
-        specs: dict[tuple[int | None, int], list[int]] = {}
+        # Spec groups (block size, window, chunk, group ids): full attention first; one
+        # group list empty when every group is full attention (looked up together, the fast
+        # path).
+        specs: dict[tuple[int | None, int | None, int], list[int]] = {}
         for g, size in enumerate(self.sizes):
-            specs.setdefault((config.window(g), size), []).append(g)
-        ordered = sorted(specs.items(), key=lambda item: item[0][0] is not None)
-        self.specs: list[tuple[int, int | None, list[int]]] = [
-            (size, window, groups) for (window, size), groups in ordered
+            specs.setdefault((config.window(g), config.chunk(g), size), []).append(g)
+        ordered = sorted(specs.items(), key=lambda item: item[0][:2] != (None, None))
+        self.specs: list[tuple[int, int | None, int | None, list[int]]] = [
+            (size, window, chunk, groups) for (window, chunk, size), groups in ordered
         ]
-        if not config.sliding_windows:
-            self.specs = [(0, None, [])]
-        self.simple_hybrid = len(self.specs) == 2 and self.specs[0][1] is None
-        self.windows = [config.window(g) for g in range(len(self.sizes))]
+        if not config.sliding_windows and not config.attention_chunks:
+            self.specs = [(0, None, None, [])]
+        self.simple_hybrid = len(self.specs) == 2 and self.specs[0][1:3] == (None, None)
+        # Groups whose blocks leave the table (a sliding window's, a chunked local group's).
+        self.local = [not config.full_attention(g) for g in range(len(self.sizes))]
+        self.chunks = [c for g in range(len(self.sizes)) if (c := config.chunk(g)) is not None]
         self.gpu = gpu
         self.cpu = Pool(config.cpu_blocks, "cpu")
         if config.kv_events:
@@ -134,23 +137,29 @@ class Connector:
         agrees on, and its length (vLLM's hybrid coordinator: full attention first, left to
         right; sliding windows right to left; asked again until no group lowers the hit).
         Blocks in ``skip`` are passed over as if they were not cached."""
-        if not self.specs[0][2]:  # full attention only
-            return self._full_hit(pool, keys, self.specs[0][2], start_tokens, limit, skip)
+        if not self.specs[0][3]:  # full attention only
+            return self._full_hit(pool, keys, self.specs[0][3], start_tokens, limit, skip)
         found: list[list[int]] = [[] for _ in self.sizes]
         full_hits: dict[int, int] = {}
         hit = max(limit, 0)
         while True:
             candidate = hit
-            for s, (_, window, groups) in enumerate(self.specs):
-                if window is None and s in full_hits:
+            for s, (_, window, chunk, groups) in enumerate(self.specs):
+                full = window is None and chunk is None
+                if full and s in full_hits:
                     candidate = min(candidate, full_hits[s])
                     continue
-                if window is None:
+                if full:
                     blocks, candidate = self._full_hit(
                         pool, keys, groups, start_tokens, candidate, skip
                     )
                     full_hits[s] = candidate
+                elif chunk is not None:
+                    blocks, candidate = self._chunk_hit(
+                        pool, keys, groups, chunk, start_tokens, candidate, skip
+                    )
                 else:
+                    assert window is not None
                     blocks, candidate = self._window_hit(
                         pool, keys, groups, window, start_tokens, candidate, skip
                     )
@@ -162,7 +171,7 @@ class Connector:
             if self.simple_hybrid:
                 break
         for g, size in enumerate(self.sizes):
-            if self.config.window(g) is None:
+            if not self.local[g]:
                 del found[g][-(-hit // size) :]
         return found, hit
 
@@ -255,6 +264,30 @@ class Connector:
             blocks = [b[:-1] for b in blocks]
         return blocks, len(blocks[0]) * size
 
+    def _chunk_hit(
+        self,
+        pool: Pool,
+        keys: Sequence[Sequence[str]],
+        groups: list[int],
+        chunk: int,
+        start_tokens: int,
+        limit: int,
+        skip: Container[int],
+    ) -> tuple[list[list[int]], int]:
+        """Chunked local attention: nulls for the chunks before the one ``limit`` ends in
+        (counted from ``start_tokens``), then that chunk's cached blocks up to a miss."""
+        size = self.sizes[groups[0]]
+        first = start_tokens // size
+        start = limit // chunk * chunk // size if limit > 0 else 0
+        blocks = [[NULL] * start for _ in groups]
+        for i in range(start, limit // size):
+            found = self._position(pool, keys, groups, first + i, skip)
+            if found is None:
+                break
+            for group_blocks, block in zip(blocks, found, strict=True):
+                group_blocks.append(block)
+        return blocks, len(blocks[0]) * size
+
     def match(self, request: ImplRequest, computed: int) -> tuple[int, bool]:
         stale = self.hits.pop(request.request_id, None)
         if stale is not None:
@@ -262,7 +295,9 @@ class Connector:
         if not self.reads_for(request):
             return 0, False
         limit = request.num_tokens - 1 - computed
-        if computed % self.align or len(request.digests) * self.hbs <= computed or limit <= 0:
+        if computed % self.align or not self.starts_on_chunk_boundary(computed):
+            return 0, False
+        if len(request.digests) * self.hbs <= computed or limit <= 0:
             return 0, False
         blocks, hit = self.intact_hit(request.block_keys(), computed, limit)
         if hit <= 0:
@@ -270,6 +305,11 @@ class Connector:
         self.pin_hit(blocks)
         self.hits[request.request_id] = Hit(blocks, hit, computed)
         return hit, True
+
+    def starts_on_chunk_boundary(self, computed: int) -> bool:
+        """A CPU hit follows a local prefix of whole chunks only: the lookup counts the
+        chunks from its own start (vLLM 0.33.0, S24)."""
+        return all(computed % chunk == 0 for chunk in self.chunks)
 
     def reads_for(self, request: ImplRequest) -> bool:
         """No CPU hit for a request that skips reading the prefix cache: prompt logprobs
@@ -473,7 +513,7 @@ class Connector:
                 return picked, advanced, True
             start = tracker.cursors[g]
             window = table[start : min(len(table), confirmed // self.sizes[g])]
-            if self.windows[g] is not None:
+            if self.local[g]:
                 window = self.window_of(tracker.request, g, start, window)
             found = self.storable(window)
             left = room - len(picked)
@@ -498,7 +538,7 @@ class Connector:
         for g, table in enumerate(tables):
             start = tracker.cursors[g]
             window = table[start : min(len(table), confirmed // self.sizes[g])]
-            if self.windows[g] is not None:
+            if self.local[g]:
                 window = self.window_of(request, g, start, window)
             for i, block in enumerate(window):
                 where.setdefault(block, (g, start + i))

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.impl.connector import Connector, Copy, Scheduled
 from kvoffload.impl.pool import NULL, Pool, make_key
-from kvoffload.model.arith import reachable, skipped_blocks
+from kvoffload.model.arith import reachable
 from kvoffload.model.keys import chain_digest
 
 if TYPE_CHECKING:
@@ -241,9 +241,8 @@ class ImplEngine:
             if external:
                 reach = local + external
                 for g, (ids, size) in enumerate(zip(table, self.sizes, strict=True)):
-                    window = self.config.window(g)
-                    if window is not None and reach >= window and window < 2:
-                        continue  # the whole external range left the window
+                    if reach <= self.config.skipped_tokens(g, reach):
+                        continue  # the whole external range left the window or the chunk
                     ids.extend(self.gpu.allocate(max(0, -(-reach // size) - len(ids))))
         for ids, w in zip(table, wanted, strict=True):
             ids.extend(self.gpu.allocate(max(0, w - len(ids))))
@@ -252,12 +251,12 @@ class ImplEngine:
         return True
 
     def skipped(self, group: int, computed: int) -> int:
-        """Leading blocks of ``group`` outside the window of ``computed`` tokens."""
-        window = self.config.window(group)
-        return 0 if window is None else skipped_blocks(computed, window, self.sizes[group])
+        """Leading blocks of ``group`` outside the window (or before the chunk) of
+        ``computed`` tokens."""
+        return self.config.skipped_tokens(group, computed) // self.sizes[group]
 
     def drop_skipped(self, rid: str, computed: int) -> None:
-        """Free the sliding-window blocks that left the window, nulls in their place."""
+        """Free the blocks that left the window or the chunk, nulls in their place."""
         for g, ids in enumerate(self.tables[rid]):
             freed: list[int] = []
             for i in range(min(self.skipped(g, computed), len(ids)) - 1, -1, -1):
@@ -287,7 +286,7 @@ class ImplEngine:
                         if reachable(i, window, size, align):
                             self.gpu.register_full([keys[i]], [ids[i]], (i + 1) * size, size)
                 self.cached[rid][g] = full
-            if window is not None or size == hbs or boundary == 0:
+            if not self.config.full_attention(g) or size == hbs or boundary == 0:
                 continue
             if boundary > num_tokens or boundary % size == 0:
                 continue

@@ -355,6 +355,16 @@ class FitCountsCpuPool(Validation):
         )
 
 
+class ChunkUnalignedHits(Connector):
+    """vLLM <= 0.32.0 (S24, fixed in 0.33.0): a CPU hit follows a local prefix that ends
+    inside an attention chunk; the lookup counts the chunks from its own start, so the
+    chunked local group's blocks of the chunk the hit ends in are taken for nulls and never
+    loaded."""
+
+    def starts_on_chunk_boundary(self, computed: int) -> bool:
+        return True
+
+
 @dataclass(frozen=True)
 class Fault:
     """A named fault; ``breaks`` is the invariant of ``docs/spec.md`` it violates, or
@@ -390,6 +400,7 @@ FAULTS: dict[str, Fault] = {
         Fault("window-scan-breaks", WindowScanBreaks, "FLUSH-COMPLETE"),
         Fault("window-stale-ids", WindowStaleIds, "POSITION"),
         Fault("preempt-keeps-table", PreemptKeepsTable, "TABLE"),
+        Fault("chunk-unaligned-hits", ChunkUnalignedHits, "LOAD-TARGET"),
         Fault("stats-pending-skips-abandoned", StatsPendingSkipsAbandoned, "STATS"),
         Fault("stats-load-count-kept", StatsLoadCountKept, "STATS"),
         Fault("reset-reports-gpu-only", ResetReportsGpuOnly, "RESET"),

@@ -102,16 +102,30 @@ def window_run(window: int, block_size: int) -> int:
     return -(-(window - 1) // block_size)
 
 
-def skipped_blocks(num_computed: int, window: int, block_size: int) -> int:
-    """How many leading blocks of a sliding-window group no later token attends to, once
-    ``num_computed`` tokens are computed (vLLM's ``get_num_skipped_tokens``, in blocks).
+def window_skipped_tokens(num_computed: int, window: int) -> int:
+    """How many leading tokens of a sliding-window group no later token attends to, once
+    ``num_computed`` tokens are computed (vLLM's ``SlidingWindowManager.get_num_skipped_tokens``):
+    a token attends to the ``window - 1`` tokens before it.
 
-    pre: num_computed >= 0 and window > 0 and block_size > 0
-    post: __return__ >= 0
-    post: __return__ * block_size <= max(0, num_computed - window + 1)
-    post: (__return__ + 1) * block_size > num_computed - window + 1
+    pre: num_computed >= 0 and window > 0
+    post: 0 <= __return__ <= num_computed
+    post: __return__ == 0 or num_computed - __return__ == window - 1
     """
-    return max(0, num_computed - window + 1) // block_size
+    return max(0, num_computed - window + 1)
+
+
+def chunk_skipped_tokens(num_computed: int, chunk: int) -> int:
+    """How many leading tokens of a chunked local attention group no later token attends
+    to, once ``num_computed`` tokens are computed (vLLM's
+    ``ChunkedLocalAttentionManager.get_num_skipped_tokens``): the next token attends to its
+    own chunk only, so every chunk before it is skipped.
+
+    pre: num_computed >= 0 and chunk > 0
+    post: 0 <= __return__ <= num_computed
+    post: __return__ % chunk == 0
+    post: num_computed - __return__ < chunk
+    """
+    return num_computed // chunk * chunk
 
 
 def reachable(index: int, window: int, block_size: int, scheduler_block_size: int) -> bool:

@@ -10,7 +10,11 @@ Invariants kept here (checked once, at construction):
 - ``lazy`` and ``kv_events`` are bools;
 - ``sliding_windows`` is empty (every group is full attention) or names, per group, a
   sliding window in tokens (a positive int) or None (full attention), and at least one group
-  is full attention (vLLM's offload scheduler matches prefixes on a full-attention group).
+  is full attention (vLLM's offload scheduler matches prefixes on a full-attention group);
+- ``attention_chunks`` is empty or names, per group, the chunk size of a chunked local
+  attention group (a positive multiple of its block size, the group's block size the scheduler
+  block size, as vLLM's chunked-local lookup asserts) or None; no group has both a window and
+  a chunk size.
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+from kvoffload.model.arith import chunk_skipped_tokens, window_skipped_tokens
 from kvoffload.model.errors import ConfigError
 
 # The scheduler's token budget per step (vLLM's ``max_num_batched_tokens``), which sizes the
@@ -48,6 +53,9 @@ class OffloadConfig:
     sliding-window attention group (vLLM's ``SlidingWindowSpec``: a token attends to the
     ``window - 1`` tokens before it, so blocks wholly before that leave the request's block
     table), or None for full attention; empty when every group is full attention.
+    ``attention_chunks``: per group, the chunk size of a chunked local attention group
+    (vLLM's ``ChunkedLocalAttentionSpec``, Llama 4: a token attends to the tokens of its own
+    chunk only, so the blocks of earlier chunks leave the table), or None.
     ``kv_events``: the connector publishes kv-cache events of the CPU tier (vLLM's
     ``kv_events_config.enable_kv_cache_events``), drained by ``take_events()``.
     """
@@ -60,6 +68,7 @@ class OffloadConfig:
     lazy: bool = False
     sliding_windows: tuple[int | None, ...] = ()
     kv_events: bool = False
+    attention_chunks: tuple[int | None, ...] = ()
     scheduler_block_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +92,7 @@ class OffloadConfig:
                 )
         self._check_windows()
         object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
+        self._check_chunks()
 
     def _check_windows(self) -> None:
         windows = self.sliding_windows
@@ -104,6 +114,41 @@ class OffloadConfig:
                 "matches prefixes on one"
             )
 
+    def _check_chunks(self) -> None:
+        chunks = self.attention_chunks
+        if not isinstance(chunks, tuple):
+            raise ConfigError(f"attention_chunks must be a tuple, got {chunks!r}")
+        if not chunks:
+            return
+        if len(chunks) != len(self.group_block_sizes):
+            raise ConfigError(
+                f"attention_chunks names {len(chunks)} groups, group_block_sizes "
+                f"{len(self.group_block_sizes)}"
+            )
+        for g, chunk in enumerate(chunks):
+            if chunk is None:
+                continue
+            _require_positive_int(f"attention_chunks[{g}]", chunk)
+            size = self.group_block_sizes[g]
+            if self.window(g) is not None:
+                raise ConfigError(f"group {g} has both a sliding window and an attention chunk")
+            if chunk % size:
+                raise ConfigError(
+                    f"attention_chunks[{g}] = {chunk} is not a multiple of the group's block "
+                    f"size {size}"
+                )
+            if size != self.scheduler_block_size:
+                # vLLM's ChunkedLocalAttentionManager.find_longest_cache_hit asserts it.
+                raise ConfigError(
+                    f"chunked local group {g}'s block size {size} is not the scheduler block "
+                    f"size {self.scheduler_block_size}"
+                )
+        if all(self.window(g) is not None or chunk is not None for g, chunk in enumerate(chunks)):
+            raise ConfigError(
+                "attention_chunks leaves no full-attention group: the offload scheduler "
+                "matches prefixes on one"
+            )
+
     @property
     def num_groups(self) -> int:
         return len(self.group_block_sizes)
@@ -111,6 +156,25 @@ class OffloadConfig:
     def window(self, group: int) -> int | None:
         """The sliding window of ``group``, or None for a full-attention group."""
         return self.sliding_windows[group] if self.sliding_windows else None
+
+    def chunk(self, group: int) -> int | None:
+        """The attention chunk of ``group``, or None unless it is chunked local attention."""
+        return self.attention_chunks[group] if self.attention_chunks else None
+
+    def full_attention(self, group: int) -> bool:
+        """Whether ``group`` is full attention: no window, no chunk."""
+        return self.window(group) is None and self.chunk(group) is None
+
+    def skipped_tokens(self, group: int, num_computed: int) -> int:
+        """The leading tokens of ``group`` no token after ``num_computed`` attends to (vLLM's
+        ``get_num_skipped_tokens``): none for full attention, those before the window for a
+        sliding window, those before the current chunk for chunked local attention."""
+        window, chunk = self.window(group), self.chunk(group)
+        if window is not None:
+            return window_skipped_tokens(num_computed, window)
+        if chunk is not None:
+            return chunk_skipped_tokens(num_computed, chunk)
+        return 0
 
     def blocks_for(self, num_tokens: int) -> int:
         """The GPU blocks a request of ``num_tokens`` computed tokens holds at most, in all
@@ -120,7 +184,11 @@ class OffloadConfig:
         ``window - 1 + block_size`` tokens (from there on the count repeats)."""
         total = 0
         for g, size in enumerate(self.group_block_sizes):
-            window = self.window(g)
+            window, chunk = self.window(g), self.chunk(g)
+            if chunk is not None:
+                # The current chunk's blocks only: at most a whole chunk's.
+                total += -(-min(num_tokens, chunk) // size)
+                continue
             if window is None:
                 total += -(-num_tokens // size)
                 continue
@@ -143,6 +211,8 @@ class OffloadConfig:
         for g, size in enumerate(self.group_block_sizes):
             window = self.window(g)
             if window is None:
+                # Chunked local attention counts as full attention here: its spec is not a
+                # sliding window's.
                 total += -(-MAX_NUM_BATCHED_TOKENS // size)
             else:
                 total += -(-window // size) + 1

@@ -43,7 +43,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvoffload.model.arith import reachable, skipped_blocks
+from kvoffload.model.arith import reachable
 from kvoffload.model.block_pool import Block
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.keys import block_keys, extend_digests, fine_key
@@ -345,10 +345,11 @@ class Engine:
             if num_external:
                 for g, size in enumerate(sizes):
                     ids = self.req_to_blocks[req_id][g]
-                    window = self.config.window(g)
-                    if window is not None and num_local + num_external >= window and window < 2:
-                        # A window of 1 attends to no earlier token: the external range has
-                        # all left it, and vLLM allocates it nothing.
+                    total = num_local + num_external
+                    if total - self.config.skipped_tokens(g, total) <= 0:
+                        # The external range has all left the window (a window of 1 attends
+                        # to no earlier token) or the chunk (it ends on a chunk boundary):
+                        # vLLM allocates it nothing.
                         continue
                     n = max(0, math.ceil((num_local + num_external) / size) - len(ids))
                     ids.extend(b.block_id for b in self.gpu_pool.get_new_blocks(n))
@@ -362,11 +363,10 @@ class Engine:
 
     def skipped_blocks(self, group: int, num_computed: int) -> int:
         """Leading blocks of ``group`` no token after ``num_computed`` attends to (0 for
-        full attention)."""
-        window = self.config.window(group)
-        if window is None:
-            return 0
-        return skipped_blocks(num_computed, window, self.config.group_block_sizes[group])
+        full attention; before the window, or before the current chunk)."""
+        return (
+            self.config.skipped_tokens(group, num_computed) // self.config.group_block_sizes[group]
+        )
 
     def remove_skipped_blocks(self, request_id: str, num_computed: int) -> None:
         """Free the sliding-window blocks that left the window and put the null block in
@@ -395,7 +395,7 @@ class Engine:
                 for start, end in self.reachable_runs(g, cached[g], num_full):
                     self.cache_full_blocks(req, g, blocks, start, end)
                 cached[g] = num_full
-            if size == hbs or self.config.window(g) is not None:
+            if size == hbs or not self.config.full_attention(g):
                 continue
             # The prompt's last hash boundary, when it falls inside a block, is registered on
             # that block: as its primary while the block is partial, as a secondary key once

@@ -54,6 +54,10 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - TABLE: the store state of a running tracked request names its blocks: as many per group as
   its block table, the same block wherever the table holds one (a sliding window's nulls
   stand where the state still names the block that left); a preempted one names none.
+- LOAD-TARGET: a load writes no GPU null block, and each block it writes is the one the
+  loading request's table holds in the group and at the position of the key of the CPU block
+  it reads (a chunked local hit after a prefix that ends inside a chunk, S24, writes into
+  the null block the table holds for a chunk already left).
 - EVENT-STORED: a ``stored`` kv-cache event names a key the CPU map holds when it is
   published; the tokens it carries (if any) are ``block_size`` many and, chained from its
   parent digest in hash blocks, give that key's digest.
@@ -468,6 +472,28 @@ def table(state: Engine) -> Iterator[str]:
                 )
 
 
+def load_target(state: Engine) -> Iterator[str]:
+    c = state.connector
+    null = state.gpu_pool.null_block.block_id
+    sizes = state.config.group_block_sizes
+    for req_id, load in c.reqs_to_load.items():
+        table = state.req_to_blocks.get(req_id)
+        t = load.transfer
+        for gpu_id, cpu_id in zip(t.gpu_block_ids, t.cpu_block_ids, strict=True):
+            key = c.cpu_pool.blocks[cpu_id].block_hash
+            if gpu_id == null:
+                yield f"the load of {req_id} writes cpu block {cpu_id} ({key}) into the null block"
+                continue
+            if table is None or key is None:
+                continue
+            ids, index = table[key.group], key.num_tokens // sizes[key.group] - 1
+            if index >= len(ids) or ids[index] != gpu_id:
+                yield (
+                    f"the load of {req_id} writes cpu block {cpu_id} ({key}) into gpu block "
+                    f"{gpu_id}, not the block its table holds at that position"
+                )
+
+
 def event_stored(state: Engine) -> Iterator[str]:
     hbs = state.config.hash_block_size
     for r in state.connector.stored_log:
@@ -513,6 +539,7 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "RECOVER": recover,
     "POSITION": position,
     "TABLE": table,
+    "LOAD-TARGET": load_target,
     "EVENT-STORED": event_stored,
     "STATS": stats,
 }
@@ -575,6 +602,7 @@ def exercised(state: Engine) -> set[str]:
             for r, store in c.reqs_to_store.items()
             if not store.finished
         ),
+        "LOAD-TARGET": bool(c.reqs_to_load),
         "EVENT-STORED": bool(c.stored_log),
         "STATS": bool(c.stats_log),
         "NO-READ": any(

@@ -1,6 +1,6 @@
 """Longest prefix-cache hit across KV groups (vLLM's hybrid coordinator lookup).
 
-Groups with the same kind, block size and window are looked up together (a position hits
+Groups with the same kind, block size and window or chunk are looked up together (a position hits
 only when every one of them has its key cached); full-attention groups come first. Each
 kind finds its own hit below a candidate length:
 
@@ -8,7 +8,10 @@ kind finds its own hit below a candidate length:
 - a sliding-window group scans from the candidate's end towards the start and stops at the
   first run of ``ceil((window - 1) / block_size)`` cached blocks (all a token after the hit
   attends to); the blocks before that run are the null block. A run that reaches the start
-  of the lookup is a hit however short.
+  of the lookup is a hit however short;
+- a chunked local attention group takes the null block for every block before the chunk
+  the candidate's end falls in, and scans that chunk's blocks from its start, stopping at the
+  first miss: the hit is the nulls and that run.
 
 The candidate starts at ``max_length`` and every group may lower it; the groups are asked
 again until no group lowers it (once only with one full-attention and one other group, as
@@ -16,7 +19,8 @@ vLLM's ``is_simple_hybrid``). Full-attention groups keep the blocks that cover t
 
 Invariants: the hit is a multiple of the scheduler block size and at most ``max_length``;
 each returned non-null block is registered under the key of its position; a sliding-window
-group's blocks are nulls followed by a run of cached blocks that ends at the hit.
+group's blocks are nulls followed by a run of cached blocks that ends at the hit; a chunked
+local group's blocks are the nulls of whole chunks followed by cached blocks.
 """
 
 from __future__ import annotations
@@ -95,6 +99,28 @@ def _sliding_window_hit(
     return blocks, len(blocks[0]) * block_size
 
 
+def _chunked_local_hit(
+    pool: BlockPool,
+    keys: list[list[BlockKey]],
+    block_size: int,
+    chunk: int,
+    max_length: int,
+    skip: Container[int],
+) -> tuple[list[list[Block]], int]:
+    """vLLM's ``ChunkedLocalAttentionManager.find_longest_cache_hit`` (its block size is the
+    alignment). The chunks are counted from the lookup's start: the caller's local prefix is
+    a whole number of chunks (vLLM 0.33.0; bug S24 of docs/history.md before it)."""
+    start = align_down(max_length, chunk) // block_size if max_length > 0 else 0
+    blocks: list[list[Block]] = [[pool.null_block] * start for _ in keys]
+    for i in range(start, min(max_length // block_size, len(keys[0]))):
+        found = _cached(pool, keys, i, skip)
+        if found is None:
+            break
+        for group, block in zip(blocks, found, strict=True):
+            group.append(block)
+    return blocks, len(blocks[0]) * block_size
+
+
 def find_longest_cache_hit(
     pool: BlockPool,
     digests: Sequence[str],
@@ -107,34 +133,40 @@ def find_longest_cache_hit(
     blocks in ``skip`` are passed over as if they were not cached."""
     sizes = config.group_block_sizes
     alignment = config.scheduler_block_size
-    # Spec groups: (window, block size) -> group ids, full attention first.
-    specs: dict[tuple[int | None, int], list[int]] = {}
+    # Spec groups: (window, chunk, block size) -> group ids, full attention first.
+    specs: dict[tuple[int | None, int | None, int], list[int]] = {}
     for g, size in enumerate(sizes):
-        specs.setdefault((config.window(g), size), []).append(g)
-    order = sorted(specs, key=lambda spec: spec[0] is not None)
+        specs.setdefault((config.window(g), config.chunk(g), size), []).append(g)
+    order = sorted(specs, key=lambda spec: spec[0] is not None or spec[1] is not None)
     keys = {
         g: block_keys(digests, g, size, config.hash_block_size)[num_computed_tokens // size :]
         for g, size in enumerate(sizes)
     }
     result: dict[int, list[Block]] = {g: [] for g in range(len(sizes))}
-    full_hits: dict[tuple[int | None, int], int] = {}
-    simple = len(order) == 2 and order[0][0] is None
+    full_hits: dict[tuple[int | None, int | None, int], int] = {}
+    simple = len(order) == 2 and order[0][0] is None and order[0][1] is None
     hit = max(max_length, 0)
     while True:
         candidate = hit
         for spec in order:
-            window, size = spec
-            if window is None and spec in full_hits:
+            window, chunk, size = spec
+            full = window is None and chunk is None
+            if full and spec in full_hits:
                 # Full attention is downward-closed: one lookup, trimmed later.
                 candidate = min(candidate, full_hits[spec])
                 continue
             group_keys = [keys[g] for g in specs[spec]]
-            if window is None:
+            if full:
                 found, candidate = _full_attention_hit(
                     pool, group_keys, size, candidate, alignment, skip
                 )
                 full_hits[spec] = candidate
+            elif chunk is not None:
+                found, candidate = _chunked_local_hit(
+                    pool, group_keys, size, chunk, candidate, skip
+                )
             else:
+                assert window is not None
                 found, candidate = _sliding_window_hit(
                     pool, group_keys, size, window, candidate, alignment, skip
                 )
@@ -146,6 +178,6 @@ def find_longest_cache_hit(
         if simple:
             break
     for g, size in enumerate(sizes):
-        if config.window(g) is None:
+        if config.full_attention(g):
             result[g] = result[g][: -(-hit // size)]
     return tuple(result[g] for g in range(len(sizes))), hit

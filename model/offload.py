@@ -287,6 +287,8 @@ class OffloadScheduler:
             return 0, False
         if num_computed_tokens % self.block_size != 0:
             return 0, False
+        if not self.starts_on_chunk_boundary(num_computed_tokens):
+            return 0, False
         if len(request.digests) <= num_computed_tokens // self.hash_block_size:
             return 0, False
         # At least the last token is recomputed, to sample from it.
@@ -298,6 +300,18 @@ class OffloadScheduler:
             return 0, False
         self._pin_hit(request.request_id, PendingHit(blocks, hit, num_computed_tokens))
         return hit, True
+
+    def starts_on_chunk_boundary(self, num_computed_tokens: int) -> bool:
+        """Whether a CPU hit may follow a local prefix of ``num_computed_tokens``: the lookup
+        counts a chunked local group's chunks from its own start, so that start must be a
+        chunk boundary (vLLM 0.33.0; bug S24 of docs/history.md: a hit after a prefix that
+        ends inside a chunk takes the current chunk's blocks for nulls, and they are never
+        loaded)."""
+        return all(
+            num_computed_tokens % chunk == 0
+            for g in range(self.config.num_groups)
+            if (chunk := self.config.chunk(g)) is not None
+        )
 
     def reads_for(self, request: Request) -> bool:
         """Whether a CPU hit may be served to ``request``: not to one that skips reading the
@@ -655,7 +669,7 @@ class OffloadScheduler:
         so the position is taken as the null it is (found by the machine: vLLM 0.34.0 stores
         the reused block, with this position's tokens in its BlockStored event)."""
         return (
-            self.config.window(group) is not None
+            not self.config.full_attention(group)
             and block.block_hash is not None
             and block.block_hash != key
         )

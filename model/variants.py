@@ -51,6 +51,13 @@ Older releases had more bugs, fixed before #53532 (``docs/history.md``):
   No state invariant demands the pass: the machine finds it as a difference.
 - ``vllm-0.21``: vLLM 0.19.0 to 0.21.0 as they are: ``vllm-0.29`` with all three.
 
+Chunked local attention had one up to 0.32.0, fixed in 0.33.0:
+
+- ``chunk-unaligned-hits`` (S24): the CPU lookup follows a local prefix that ends inside a
+  chunk; it counts the chunks from its own start, so the hit's chunked local group holds
+  nulls where the chunk the hit ends in needs blocks, which no load fills. Caught by
+  LOAD-TARGET.
+
 Lazy mode had two bugs up to 0.33.0, fixed in 0.34.0 (the lazy scan of vLLM 0.30.0 to 0.33.0
 is the same code):
 
@@ -270,6 +277,15 @@ class WindowStaleIdsScheduler(OffloadScheduler):
         return False
 
 
+class ChunkUnalignedHitsScheduler(OffloadScheduler):
+    """vLLM <= 0.32.0 (S24; 0.33.0 returns no CPU hit after a local prefix that is not a
+    whole number of chunks): the lookup runs after any scheduler-block-aligned prefix, and
+    counts a chunked local group's chunks from there. Caught by LOAD-TARGET."""
+
+    def starts_on_chunk_boundary(self, num_computed_tokens: int) -> bool:
+        return True
+
+
 class PreemptKeepsTableScheduler(OffloadScheduler):
     """vLLM <= 0.31.0 (S20; 0.32.0 starts over on ``preempted_req_ids``): the store state of a
     preempted request is reset only for a resumption flagged as resumed, which vLLM's newer
@@ -403,6 +419,7 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     "window-no-recover": WindowNoRecoverScheduler,
     "window-stale-ids": WindowStaleIdsScheduler,
     "preempt-keeps-table": PreemptKeepsTableScheduler,
+    "chunk-unaligned-hits": ChunkUnalignedHitsScheduler,
     "lazy-cursor": LazyCursorScheduler,
     "lazy-tail": LazyTailScheduler,
     "lazy-0.33": type("Lazy033Scheduler", (LazyCursorScheduler, LazyTailScheduler), {}),

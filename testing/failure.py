@@ -60,9 +60,15 @@ CONFIG_FIELDS = (
     "lazy",
     "sliding_windows",
     "kv_events",
+    "attention_chunks",
 )
 # Fields a failure file may leave out (written before they existed), with their value then.
-CONFIG_DEFAULTS: dict[str, Any] = {"lazy": False, "sliding_windows": [], "kv_events": False}
+CONFIG_DEFAULTS: dict[str, Any] = {
+    "lazy": False,
+    "sliding_windows": [],
+    "kv_events": False,
+    "attention_chunks": [],
+}
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")
@@ -291,11 +297,11 @@ def _check_config(config: object) -> OffloadConfig:
                 isinstance(config[name], bool),
                 f"config {name} must be a bool, got {config[name]!r}",
             )
-        elif name == "sliding_windows":
-            windows = config[name]
+        elif name in ("sliding_windows", "attention_chunks"):
+            per_group = config[name]
             _expect(
-                isinstance(windows, list) and all(w is None or _is_int(w) for w in windows),
-                f"config sliding_windows must be a list of ints or nulls, got {windows!r}",
+                isinstance(per_group, list) and all(w is None or _is_int(w) for w in per_group),
+                f"config {name} must be a list of ints or nulls, got {per_group!r}",
             )
         elif name != "group_block_sizes":
             _expect(_is_int(config[name]), f"config {name} must be an int, got {config[name]!r}")
@@ -309,6 +315,7 @@ def _check_config(config: object) -> OffloadConfig:
             config["lazy"],
             tuple(config["sliding_windows"]),
             config["kv_events"],
+            tuple(config["attention_chunks"]),
         )
     except ConfigError as error:
         raise FailureFileError(f"config is not valid: {error}") from None

@@ -39,23 +39,30 @@ from kvoffload.testing.adapters import (
 from kvoffload.testing.failure import Failure, validate
 from kvoffload.testing.lockstep import Call, as_outcome, compare, outcome
 
-# (group block sizes, hash block size, sliding windows): full attention, then hybrid layouts
-# with one sliding-window group whose window the prompts slide past. A window of 3 needs a
-# run of one block, so that a prompt of 8 tokens (4 blocks in all) already leaves a block
-# behind its window: a freed window block then comes back through a repeat's hit (S14's
-# class). In the second and third, that run is shorter than a scheduler block (two), so only
-# every other block of the window group gets a key (S3's class), and a block that left the
-# window without one goes to the head of the free queue, where the next allocation reuses it
-# (the live bug window-stale-ids): with blocks of 2 tokens, every other token. The model's own test
-# (tests/test_model_stateful.py) also draws longer runs and three groups.
-LAYOUTS: list[tuple[tuple[int, ...], int, tuple[int | None, ...]]] = [
-    ((4,), 4, ()),
-    ((4,), 2, ()),
-    ((8,), 4, ()),
-    ((4, 8), 4, ()),
-    ((4, 4), 4, (None, 3)),
-    ((8, 4), 4, (None, 3)),
-    ((4, 2), 2, (None, 3)),
+# (group block sizes, hash block size, sliding windows, attention chunks): full attention,
+# then hybrid layouts with one sliding-window group whose window the prompts slide past. A
+# window of 3 needs a run of one block, so that a prompt of 8 tokens (4 blocks in all) already
+# leaves a block behind its window: a freed window block then comes back through a repeat's
+# hit (S14's class). In the second and third, that run is shorter than a scheduler block
+# (two), so only every other block of the window group gets a key (S3's class), and a block
+# that left the window without one goes to the head of the free queue, where the next
+# allocation reuses it (the live bug window-stale-ids): with blocks of 2 tokens, every other
+# token. The last two have a chunked local group (Llama 4's layout) with chunks of two
+# scheduler blocks: a GPU hit of one block ends inside a chunk, where a CPU hit must not
+# follow (S24's class); with hash blocks of 2 the full-attention group's blocks are half
+# the chunked group's. The model's own test (tests/test_model_stateful.py) also draws longer
+# runs, three groups and longer chunks.
+Layout = tuple[tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...]]
+LAYOUTS: list[Layout] = [
+    ((4,), 4, (), ()),
+    ((4,), 2, (), ()),
+    ((8,), 4, (), ()),
+    ((4, 8), 4, (), ()),
+    ((4, 4), 4, (None, 3), ()),
+    ((8, 4), 4, (None, 3), ()),
+    ((4, 2), 2, (None, 3), ()),
+    ((4, 4), 4, (), (None, 8)),
+    ((2, 4), 2, (), (None, 8)),
 ]
 
 
@@ -182,7 +189,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     @SETUP
     def setup(
         self,
-        layout: tuple[tuple[int, ...], int, tuple[int | None, ...]],
+        layout: Layout,
         gpu_blocks: int,
         cpu_blocks: int,
         world_size: int,
@@ -191,8 +198,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         kv_events: bool,
     ) -> None:
         started = time.perf_counter()
-        groups, hbs, windows = layout
-        if windows:
+        groups, hbs, windows, chunks = layout
+        if windows or chunks:
             # Two groups hold a block each per position: twice the blocks, so that prompts
             # long enough to slide past the window still run alone in one chunk.
             gpu_blocks *= 2
@@ -205,6 +212,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             lazy,
             sliding_windows=windows,
             kv_events=kv_events,
+            attention_chunks=chunks,
         )
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
         assume(unsupported(type(self).adapter_name, self.config) is None)
@@ -222,7 +230,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             ) from error
         self.program: list[Call] = []
         self.started = started
-        self.layout_kind = "hybrid" if windows else "full attention"
+        self.layout_kind = "hybrid" if windows or chunks else "full attention"
         self.next_id = 0
         self.prompts: list[list[int]] = []
         self.rule_steps = 0
@@ -407,14 +415,24 @@ class ConformanceMachine(RuleBasedStateMachine):
     # again, run until idle: its blocks are cached in the CPU tier only, so it loads. Without
     # `evict` (the mutation matrix's machine) loads came in about one program in 40, and a
     # fault in a load's completion or its stats was found in some streams only after 900.
+    # Two times in three, the prompt's first scheduler blocks (one or two, a shared system
+    # prompt) run on their own first: the prompt then hits the GPU for them and the CPU for
+    # the rest (vLLM's partial GPU prefix plus CPU load). With a chunked local group, a GPU
+    # hit of one block ends inside a chunk, where no CPU hit may follow (S24's class).
     @precondition(lambda self: self.resets and bool(self.prompts))
     @rule(data=st.data(), budget=SETTLE_BUDGETS)
     def reload(self, data: st.DataObject, budget: int) -> None:
         earlier = data.draw(st.sampled_from(self.prompts))
+        warm = data.draw(st.integers(0, 2))
         before = self.rule_steps
         self.settle_rounds(budget, "reload", first=True)
         self.run(("reset_prefix_cache", False), "reload", continued=self.rule_steps > before)
         self.read_stats()
+        align = self.config.scheduler_block_size
+        warm_tokens = min(warm, (len(earlier) - 1) // align) * align
+        if warm_tokens:
+            self.admit(earlier[:warm_tokens], 1, "reload", continued=True, remember=False)
+            self.settle_rounds(budget, "reload")
         self.admit(earlier, 1, "reload", continued=True, remember=False)
         self.settle_rounds(budget, "reload")
 

@@ -108,6 +108,7 @@ class TrivialMachine(RuleBasedStateMachine):
     @rule(data=st.data(), budget=SETTLE_BUDGETS)
     def reload(self, data: st.DataObject, budget: int) -> None:
         data.draw(st.sampled_from(self.prompts))
+        data.draw(st.integers(0, 2))
         self.live.clear()
         self.count()
 

@@ -13,6 +13,7 @@ def config(
     world_size: int = 1,
     lazy: bool = False,
     sliding_windows: tuple[int | None, ...] = (),
+    attention_chunks: tuple[int | None, ...] = (),
 ) -> OffloadConfig:
     """A configuration; the hash block size defaults to the smallest group block size."""
     return OffloadConfig(
@@ -23,6 +24,7 @@ def config(
         world_size,
         lazy,
         sliding_windows,
+        attention_chunks=attention_chunks,
     )
 
 

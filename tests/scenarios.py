@@ -343,6 +343,30 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("step", 32),
         ],
     ),
+    # A chunked local group (chunks of 8 tokens, blocks of 4) beside full attention (found by
+    # the machine in vLLM 0.32.0: S24). A prompt stored to the CPU, the GPU's prefix cache
+    # reset, its first block computed again on its own: the prompt then hits the GPU for 4
+    # tokens, inside the first chunk, and no CPU hit may follow. Up to 0.32.0 one does, and
+    # its load writes the chunked group's block into the null block the table holds for the
+    # chunk already left.
+    "chunk-hit-after-unaligned-prefix": (
+        cfg(10, 12, (4, 4), 4, attention_chunks=(None, 8)),
+        [
+            ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0, 0], 2),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+            ("reset_prefix_cache", False),
+            ("add", "r1", [0, 1, 2, 3], 1),
+            ("add", "r2", [0, 1, 2, 3, 4, 5, 6, 0, 0], 1),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+        ],
+    ),
     # The window group's first block (unkeyed: no hit ends there) leaves the window at the
     # second step, is freed and reused at once by the full-attention group for the prompt's
     # tail (a partial key); the scan's copy of the window table still names it at position

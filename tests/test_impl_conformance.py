@@ -37,6 +37,7 @@ FAULT_SCENARIO = {
     "window-scan-breaks": "window-scan-passes-unkeyed",
     "window-stale-ids": "window-block-reused",
     "preempt-keeps-table": "preempt-and-resume",
+    "chunk-unaligned-hits": "chunk-hit-after-unaligned-prefix",
     "stats-pending-skips-abandoned": "stats-across-reset",
     "stats-load-count-kept": "stats-count-a-load-once",
     "reset-reports-gpu-only": "prefix-reset-keeps-cpu",

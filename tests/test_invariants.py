@@ -18,12 +18,14 @@ from kvoffload.model.offload import (
     CompletionRecord,
     LazyReturnRecord,
     LazyScanRecord,
+    LoadState,
     NullRecord,
     PickRecord,
     ResetRecord,
     SelectionRecord,
     StatsRecord,
     StoredRecord,
+    Transfer,
 )
 from kvoffload.model.types import STORED, KVEvent
 
@@ -166,6 +168,10 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     # a drain of the stats that counts a load no completion processed
     "STATS": lambda m: m.engine.connector.stats_log.append(
         StatsRecord(replace(m.engine.connector.stats(), load_blocks=1), ())
+    ),
+    # a load of c that writes a CPU block into the GPU's null block (S24's load)
+    "LOAD-TARGET": lambda m: m.engine.connector.reqs_to_load.__setitem__(
+        "c", LoadState("c", Transfer([0], [1]))
     ),
     # a scan that passed over a null position whose key the GPU pool still caches
     "RECOVER": lambda m: m.engine.connector.null_log.append(

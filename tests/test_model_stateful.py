@@ -15,18 +15,20 @@ from hypothesis.stateful import (
 
 from kvoffload.model import OffloadConfig, OffloadModel
 
-# (group block sizes, hash block size, sliding windows); the last three are hybrid: a
+# (group block sizes, hash block size, sliding windows, attention chunks); then hybrid: a
 # sliding-window group beside a full-attention one, its window's run shorter than, equal to
-# or longer than a scheduler block.
-LAYOUTS: list[tuple[tuple[int, ...], int, tuple[int | None, ...]]] = [
-    ((4,), 4, ()),
-    ((4,), 2, ()),
-    ((8,), 4, ()),
-    ((4, 8), 4, ()),
-    ((4, 8), 2, ()),
-    ((8, 4), 4, (None, 3)),
-    ((4, 4), 4, (None, 6)),
-    ((4, 8, 4), 4, (None, 9, 7)),
+# or longer than a scheduler block; a chunked local group beside full attention; all three.
+LAYOUTS: list[tuple[tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...]]] = [
+    ((4,), 4, (), ()),
+    ((4,), 2, (), ()),
+    ((8,), 4, (), ()),
+    ((4, 8), 4, (), ()),
+    ((4, 8), 2, (), ()),
+    ((8, 4), 4, (None, 3), ()),
+    ((4, 4), 4, (None, 6), ()),
+    ((4, 8, 4), 4, (None, 9, 7), ()),
+    ((4, 4), 4, (), (None, 8)),
+    ((2, 4, 4), 2, (None, 5, None), (None, None, 12)),
 ]
 
 # Three shared stems, so prefixes repeat across requests.
@@ -50,15 +52,21 @@ class ModelMachine(RuleBasedStateMachine):
     )
     def setup(
         self,
-        layout: tuple[tuple[int, ...], int, tuple[int | None, ...]],
+        layout: tuple[tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...]],
         gpu_blocks: int,
         cpu_blocks: int,
         world_size: int,
         initial: list[list[int]],
     ) -> None:
-        groups, hbs, windows = layout
+        groups, hbs, windows, chunks = layout
         config = OffloadConfig(
-            gpu_blocks, cpu_blocks, groups, hbs, world_size, sliding_windows=windows
+            gpu_blocks,
+            cpu_blocks,
+            groups,
+            hbs,
+            world_size,
+            sliding_windows=windows,
+            attention_chunks=chunks,
         )
         self.model = OffloadModel(config, check=True)
         self.next_id = 0

@@ -289,7 +289,10 @@ BUGS: list[HistoricalBug] = [
         "chunked-local hits start on a chunk boundary",
         "0.32.0",
         "0.33.0",
-        out_of_reach="chunked-local attention groups",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        "model returned StepResult",
+        "0.32.0's lazy mode (S26, S27) modelled",
     ),
     HistoricalBug(
         "S25",

@@ -82,17 +82,25 @@ RELEASES = {
         ),
         *_conforming(
             ["0.30.0", "0.31.0"],
-            "lazy-0.33+window-stale-ids+reset-gpu-only+preempt-keeps-table",
+            "lazy-0.33+window-stale-ids+reset-gpu-only+preempt-keeps-table+chunk-unaligned-hits",
             "PR #53532 (0.30.0 is the first); lazy mode's scan cursor and return to the tail; "
             "a resumed request's old store table kept (S20)",
             "the fixed model, with the lazy mode of 0.30.0 to 0.33.0 (S26, S27), the "
-            "window scan's reused blocks, the prefix-cache reset of #57727 and the store table "
-            "kept across preemption",
+            "window scan's reused blocks, the prefix-cache reset of #57727, the store table "
+            "kept across preemption and CPU hits after a prefix inside a chunk (S24)",
         ),
         *_conforming(
-            ["0.32.0", "0.33.0"],
-            "reset-releases-hits+lazy-0.33+window-stale-ids+reset-gpu-only",
+            ["0.32.0"],
+            "reset-releases-hits+lazy-0.33+window-stale-ids+reset-gpu-only+chunk-unaligned-hits",
             "reset() releases the pins of CPU hits not yet allocated (S21)",
+            "the fixed model with 0.32's reset of lookup pins, 0.33's lazy mode, the "
+            "window scan's reused blocks, the prefix-cache reset of #57727 and CPU hits after "
+            "a prefix inside a chunk (S24)",
+        ),
+        *_conforming(
+            ["0.33.0"],
+            "reset-releases-hits+lazy-0.33+window-stale-ids+reset-gpu-only",
+            "no CPU hit after a local prefix inside an attention chunk (S24)",
             "the fixed model with 0.32's reset of lookup pins, 0.33's lazy mode, the "
             "window scan's reused blocks and the prefix-cache reset of #57727",
         ),

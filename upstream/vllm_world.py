@@ -80,6 +80,10 @@ def supported(config: OffloadConfig) -> str | None:
         # Before 0.22.0 the eager scan broke on an unkeyed window position (S3), and before
         # 0.24.0 every group hashed whole blocks: not modelled.
         return "sliding-window groups are modelled from vLLM 0.24.0 on"
+    if config.attention_chunks and (0, 0, 0) < version_numbers() < (0, 30, 0):
+        # Up to 0.29.0 the eager scan passed over the nulls of a table (S14's class) and
+        # before 0.24.0 every group hashed whole blocks: not modelled for chunked groups.
+        return "chunked local attention groups are modelled from vLLM 0.30.0 on"
     if config.kv_events and (0, 0, 0) < version_numbers() < (0, 30, 0):
         # Up to 0.29.0 the CPU tier's BlockStored events had no tokens, no parent, the GPU's
         # medium and no secondary keys (S11, PR #54325): not modelled.
@@ -126,6 +130,7 @@ def build(config: OffloadConfig) -> World:
     from vllm.v1.core.block_pool import BlockPool
     from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
     from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
         FullAttentionSpec,
         KVCacheConfig,
         KVCacheGroupSpec,
@@ -165,20 +170,21 @@ def build(config: OffloadConfig) -> World:
         ),
         device_config=DeviceConfig("cpu"),
     )
-    specs = [
-        FullAttentionSpec(
-            block_size=size, num_kv_heads=NUM_KV_HEADS, head_size=HEAD_SIZE, dtype=torch.float16
-        )
-        if config.window(g) is None
-        else SlidingWindowSpec(
-            block_size=size,
-            num_kv_heads=NUM_KV_HEADS,
-            head_size=HEAD_SIZE,
-            dtype=torch.float16,
-            sliding_window=config.window(g),
-        )
-        for g, size in enumerate(config.group_block_sizes)
-    ]
+
+    def spec(group: int, size: int) -> Any:
+        shape = {
+            "block_size": size,
+            "num_kv_heads": NUM_KV_HEADS,
+            "head_size": HEAD_SIZE,
+            "dtype": torch.float16,
+        }
+        if (window := config.window(group)) is not None:
+            return SlidingWindowSpec(**shape, sliding_window=window)
+        if (chunk := config.chunk(group)) is not None:
+            return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=chunk)
+        return FullAttentionSpec(**shape)
+
+    specs = [spec(g, size) for g, size in enumerate(config.group_block_sizes)]
     groups = [KVCacheGroupSpec([f"layer.{g}"], spec) for g, spec in enumerate(specs)]
     page = specs[0].page_size_bytes
     tensors = [
