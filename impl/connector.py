@@ -498,6 +498,11 @@ class Connector:
             if b != NULL and key[b] is not None and b not in in_flight and key[b] not in index
         ]
 
+    def ready(self, group: int, confirmed: int, table_len: int) -> int:
+        """How far the scan of ``group`` may reach: the blocks ``confirmed`` (aligned) tokens
+        fill, at most the table."""
+        return min(table_len, confirmed // self.sizes[group])
+
     def select(
         self, tracker: Tracker, tables: tuple[list[int], ...]
     ) -> tuple[list[int], list[int], bool]:
@@ -512,7 +517,7 @@ class Connector:
             if len(picked) >= room:
                 return picked, advanced, True
             start = tracker.cursors[g]
-            window = table[start : min(len(table), confirmed // self.sizes[g])]
+            window = table[start : self.ready(g, confirmed, len(table))]
             if self.local[g]:
                 window = self.window_of(tracker.request, g, start, window)
             found = self.storable(window)
@@ -537,7 +542,7 @@ class Connector:
         where: dict[int, tuple[int, int]] = {}
         for g, table in enumerate(tables):
             start = tracker.cursors[g]
-            window = table[start : min(len(table), confirmed // self.sizes[g])]
+            window = table[start : self.ready(g, confirmed, len(table))]
             if self.local[g]:
                 window = self.window_of(request, g, start, window)
             for i, block in enumerate(window):

@@ -355,6 +355,17 @@ class FitCountsCpuPool(Validation):
         )
 
 
+class DcpPerRankBlocks(Connector):
+    """vLLM 0.24.0 (S6, PR #46394 in 0.25.0): with decode context parallelism the eager scan
+    counts confirmed tokens in a full-attention spec's per-rank blocks, so it reaches
+    ``dcp_world_size`` times the confirmed blocks: blocks not computed yet, passed over for
+    good while they hold no key."""
+
+    def ready(self, group: int, confirmed: int, table_len: int) -> int:
+        per_rank = self.sizes[group] // self.config.dcp_world_size
+        return min(table_len, confirmed // per_rank)
+
+
 class ChunkUnalignedHits(Connector):
     """vLLM <= 0.32.0 (S24, fixed in 0.33.0): a CPU hit follows a local prefix that ends
     inside an attention chunk; the lookup counts the chunks from its own start, so the
@@ -401,6 +412,7 @@ FAULTS: dict[str, Fault] = {
         Fault("window-stale-ids", WindowStaleIds, "POSITION"),
         Fault("preempt-keeps-table", PreemptKeepsTable, "TABLE"),
         Fault("chunk-unaligned-hits", ChunkUnalignedHits, "LOAD-TARGET"),
+        Fault("dcp-per-rank-blocks", DcpPerRankBlocks, "SKIP"),
         Fault("stats-pending-skips-abandoned", StatsPendingSkipsAbandoned, "STATS"),
         Fault("stats-load-count-kept", StatsLoadCountKept, "STATS"),
         Fault("reset-reports-gpu-only", ResetReportsGpuOnly, "RESET"),

@@ -14,7 +14,10 @@ Invariants kept here (checked once, at construction):
 - ``attention_chunks`` is empty or names, per group, the chunk size of a chunked local
   attention group (a positive multiple of its block size, the group's block size the scheduler
   block size, as vLLM's chunked-local lookup asserts) or None; no group has both a window and
-  a chunk size.
+  a chunk size;
+- ``dcp_world_size`` (decode context parallelism) is a positive int dividing ``world_size``
+  and every group's block size, and above 1 only when every group is full attention (vLLM
+  0.34.0's coordinator asserts it of sliding-window and chunked local groups).
 """
 
 from __future__ import annotations
@@ -56,6 +59,11 @@ class OffloadConfig:
     ``attention_chunks``: per group, the chunk size of a chunked local attention group
     (vLLM's ``ChunkedLocalAttentionSpec``, Llama 4: a token attends to the tokens of its own
     chunk only, so the blocks of earlier chunks leave the table), or None.
+    ``dcp_world_size``: decode context parallelism, the tensor-parallel ranks one block's
+    tokens are spread over (vLLM's ``decode_context_parallel_size``): a full-attention group's
+    block of ``block_size`` tokens is ``block_size // dcp_world_size`` tokens on each rank
+    (vLLM's spec size, scaled back by ``resolve_dcp_kv_block_size``). Every size here is a
+    block's tokens across the ranks, as vLLM's scheduler side counts them.
     ``kv_events``: the connector publishes kv-cache events of the CPU tier (vLLM's
     ``kv_events_config.enable_kv_cache_events``), drained by ``take_events()``.
     """
@@ -69,6 +77,7 @@ class OffloadConfig:
     sliding_windows: tuple[int | None, ...] = ()
     kv_events: bool = False
     attention_chunks: tuple[int | None, ...] = ()
+    dcp_world_size: int = 1
     scheduler_block_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +102,7 @@ class OffloadConfig:
         self._check_windows()
         object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
         self._check_chunks()
+        self._check_dcp()
 
     def _check_windows(self) -> None:
         windows = self.sliding_windows
@@ -148,6 +158,27 @@ class OffloadConfig:
                 "attention_chunks leaves no full-attention group: the offload scheduler "
                 "matches prefixes on one"
             )
+
+    def _check_dcp(self) -> None:
+        dcp = self.dcp_world_size
+        _require_positive_int("dcp_world_size", dcp)
+        if dcp == 1:
+            return
+        if self.world_size % dcp:
+            raise ConfigError(
+                f"dcp_world_size {dcp} does not divide world_size {self.world_size} (decode "
+                "context parallelism splits the tensor-parallel ranks)"
+            )
+        for g, size in enumerate(self.group_block_sizes):
+            if not self.full_attention(g):
+                raise ConfigError(
+                    f"dcp_world_size {dcp} with group {g}, which is not full attention (vLLM's "
+                    "coordinator supports decode context parallelism for full attention only)"
+                )
+            if size % dcp:
+                raise ConfigError(
+                    f"dcp_world_size {dcp} does not divide group {g}'s block size {size}"
+                )
 
     @property
     def num_groups(self) -> int:

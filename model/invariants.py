@@ -19,8 +19,9 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
   (queued, in flight, abandoned) it is the destination of.
 - KEYS: each cached full GPU block of a request carries that request's key for its position
   (a sliding-window block where no hit can end carries none).
-- SKIP: a selected GPU block is not null, is hashed, was not in flight and its key was not
-  in the CPU map.
+- SKIP: a selected GPU block is not null, is hashed, was not in flight, its key was not in
+  the CPU map, and its position lies within the request's confirmed tokens (whole scheduler
+  blocks of its computed tokens when the scan ran).
 - CAPACITY: a selection takes at most as many blocks as the CPU pool had free.
 - UNREACHABLE: the CPU destination of a store that has not completed holds no mapped key,
   nor does that of a store dropped because a worker's copy failed.
@@ -199,10 +200,19 @@ def keys(state: Engine) -> Iterator[str]:
 
 
 def skip(state: Engine) -> Iterator[str]:
+    sizes = state.config.group_block_sizes
     for sel in state.connector.selection_log:
         for p in sel.picks:
             if p.is_null or p.key is None or p.was_in_flight or p.was_in_cpu_map:
                 yield f"{sel.request_id} selected gpu block {p.gpu_block_id} against the rules: {p}"
+            key = p.position_key or p.key
+            if sel.confirmed is not None and key is not None:
+                end = (p.index + 1) * sizes[key.group]
+                if end > sel.confirmed:
+                    yield (
+                        f"{sel.request_id} selected gpu block {p.gpu_block_id} for tokens up to "
+                        f"{end}, past its {sel.confirmed} confirmed tokens"
+                    )
 
 
 def capacity(state: Engine) -> Iterator[str]:

@@ -143,6 +143,8 @@ class SelectionRecord:
     final_flush: bool
     num_free: int
     picks: tuple[PickRecord, ...]
+    # the tokens whole scheduler blocks of the request's computed tokens cover at selection
+    confirmed: int | None = None
 
 
 @dataclass(frozen=True)
@@ -367,7 +369,7 @@ class OffloadScheduler:
         for g, g_block_size in enumerate(self.group_block_sizes):
             # Only the leading blocks the scheduler accepted are loaded.
             taken = pending.blocks[g][: math.ceil(num_external_tokens / g_block_size)]
-            start = pending.num_computed_tokens // g_block_size
+            start = self.load_start(pending, g_block_size, len(taken), num_external_tokens)
             for i, cpu_block in enumerate(taken):
                 if cpu_block.is_null:
                     continue
@@ -381,6 +383,18 @@ class OffloadScheduler:
         self.reqs_to_load[req_id] = LoadState(
             req_id, Transfer(gpu_ids, [b.block_id for b in cpu_blocks])
         )
+
+    def load_start(
+        self, pending: PendingHit, group_block_size: int, num_taken: int, num_external: int
+    ) -> int:
+        """The table position of a group where a load's first block goes: right after the
+        local prefix the hit was found after (vLLM 0.30.0 on keep it with the pending hit)."""
+        return pending.num_computed_tokens // group_block_size
+
+    def ready_count(self, num_computed: int, group_block_size: int, table_len: int) -> int:
+        """How many of a group's table positions the eager scan may reach: those whole
+        scheduler blocks of confirmed tokens fill (:func:`~kvoffload.model.arith.ready_blocks`)."""
+        return ready_blocks(num_computed, self.block_size, group_block_size, table_len)
 
     def _free_pending_cpu_hit(self, pending: PendingHit) -> None:
         self.cpu_pool.free_blocks([b for group in pending.blocks for b in group if not b.is_null])
@@ -566,7 +580,7 @@ class OffloadScheduler:
                 (i, self._scan_block(request.request_id, g, i, ids[i], _at(keys[g], i)))
                 for i in range(
                     state.num_stored_blocks[g],
-                    ready_blocks(request.num_computed_tokens, self.block_size, size, len(ids)),
+                    self.ready_count(request.num_computed_tokens, size, len(ids)),
                 )
             ]
             for g, (ids, size) in enumerate(zip(block_ids, self.group_block_sizes, strict=True))
@@ -593,7 +607,13 @@ class OffloadScheduler:
                 for i, _ in group:
                     marks[g].setdefault(i, Disposition.DROPPED_CAPACITY)
         self.selection_log.append(
-            SelectionRecord(request.request_id, final_flush, num_free, tuple(observed))
+            SelectionRecord(
+                request.request_id,
+                final_flush,
+                num_free,
+                tuple(observed),
+                request.num_computed_tokens // self.block_size * self.block_size,
+            )
         )
         meta = None
         if self.config.kv_events:

@@ -51,6 +51,16 @@ Older releases had more bugs, fixed before #53532 (``docs/history.md``):
   No state invariant demands the pass: the machine finds it as a difference.
 - ``vllm-0.21``: vLLM 0.19.0 to 0.21.0 as they are: ``vllm-0.29`` with all three.
 
+Decode context parallelism had one in 0.24.0, the first release to allow it, fixed in 0.25.0:
+
+- ``dcp-per-rank-blocks`` (S6, PR #46394): two conversions of tokens into blocks divide by a
+  full-attention spec's per-rank block size, ``dcp_world_size`` times too small: the eager
+  scan reaches that many times the confirmed blocks (storing blocks not yet computed, or
+  passing over them for good while they have no key), and a load after a local prefix places
+  its blocks from a back-trace of the local prefix counted in per-rank blocks, over the GPU
+  hit's own blocks. Caught by SKIP (a block selected past the confirmed tokens) and
+  LOAD-TARGET.
+
 Chunked local attention had one up to 0.32.0, fixed in 0.33.0:
 
 - ``chunk-unaligned-hits`` (S24): the CPU lookup follows a local prefix that ends inside a
@@ -277,6 +287,27 @@ class WindowStaleIdsScheduler(OffloadScheduler):
         return False
 
 
+class DcpPerRankBlocksScheduler(OffloadScheduler):
+    """vLLM 0.24.0 (S6; PR #46394 in 0.25.0 scales the spec size by ``cp_world_size``): the
+    eager scan's ready count divides the confirmed tokens by the per-rank block size, and the
+    load's back-trace counts the local prefix's full-attention blocks in per-rank tokens.
+    Caught by SKIP and LOAD-TARGET."""
+
+    def ready_count(self, num_computed: int, group_block_size: int, table_len: int) -> int:
+        per_rank = group_block_size // self.config.dcp_world_size
+        return min(table_len, num_computed // self.block_size * self.block_size // per_rank)
+
+    def load_start(
+        self, pending: PendingHit, group_block_size: int, num_taken: int, num_external: int
+    ) -> int:
+        fa_size = next(
+            size for g, size in enumerate(self.group_block_sizes) if self.config.full_attention(g)
+        )
+        local_fa_blocks = pending.num_computed_tokens // fa_size
+        total = local_fa_blocks * (fa_size // self.config.dcp_world_size) + num_external
+        return -(-total // group_block_size) - num_taken
+
+
 class ChunkUnalignedHitsScheduler(OffloadScheduler):
     """vLLM <= 0.32.0 (S24; 0.33.0 returns no CPU hit after a local prefix that is not a
     whole number of chunks): the lookup runs after any scheduler-block-aligned prefix, and
@@ -420,6 +451,7 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     "window-stale-ids": WindowStaleIdsScheduler,
     "preempt-keeps-table": PreemptKeepsTableScheduler,
     "chunk-unaligned-hits": ChunkUnalignedHitsScheduler,
+    "dcp-per-rank-blocks": DcpPerRankBlocksScheduler,
     "lazy-cursor": LazyCursorScheduler,
     "lazy-tail": LazyTailScheduler,
     "lazy-0.33": type("Lazy033Scheduler", (LazyCursorScheduler, LazyTailScheduler), {}),

@@ -61,6 +61,7 @@ CONFIG_FIELDS = (
     "sliding_windows",
     "kv_events",
     "attention_chunks",
+    "dcp_world_size",
 )
 # Fields a failure file may leave out (written before they existed), with their value then.
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -68,6 +69,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "sliding_windows": [],
     "kv_events": False,
     "attention_chunks": [],
+    "dcp_world_size": 1,
 }
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
@@ -316,6 +318,7 @@ def _check_config(config: object) -> OffloadConfig:
             tuple(config["sliding_windows"]),
             config["kv_events"],
             tuple(config["attention_chunks"]),
+            config["dcp_world_size"],
         )
     except ConfigError as error:
         raise FailureFileError(f"config is not valid: {error}") from None

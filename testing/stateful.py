@@ -101,6 +101,9 @@ SETUP = initialize(
     lazy=st.integers(0, 2).map(lambda n: n == 2),
     # kv-cache events published and compared after every call, one program in three
     kv_events=st.integers(0, 2).map(lambda n: n == 2),
+    # decode context parallelism over two ranks, one program in three where the layout and
+    # the world allow it (full attention only, an even world)
+    dcp=st.integers(0, 2).map(lambda n: 2 if n == 2 else 1),
 )
 
 
@@ -196,6 +199,7 @@ class ConformanceMachine(RuleBasedStateMachine):
         first: list[int],
         lazy: bool,
         kv_events: bool,
+        dcp: int,
     ) -> None:
         started = time.perf_counter()
         groups, hbs, windows, chunks = layout
@@ -213,6 +217,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             sliding_windows=windows,
             kv_events=kv_events,
             attention_chunks=chunks,
+            dcp_world_size=dcp if not windows and not chunks and world_size % dcp == 0 else 1,
         )
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
         assume(unsupported(type(self).adapter_name, self.config) is None)

@@ -14,6 +14,7 @@ def config(
     lazy: bool = False,
     sliding_windows: tuple[int | None, ...] = (),
     attention_chunks: tuple[int | None, ...] = (),
+    dcp_world_size: int = 1,
 ) -> OffloadConfig:
     """A configuration; the hash block size defaults to the smallest group block size."""
     return OffloadConfig(
@@ -25,6 +26,7 @@ def config(
         lazy,
         sliding_windows,
         attention_chunks=attention_chunks,
+        dcp_world_size=dcp_world_size,
     )
 
 

@@ -343,6 +343,24 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("step", 32),
         ],
     ),
+    # Decode context parallelism over two ranks: a block of 4 tokens is 2 on each rank. The
+    # scan of the second step may reach the first block only (4 confirmed tokens); counted in
+    # per-rank blocks it reaches the second too, not computed yet and without a key, and
+    # passes over it for good (found by the machine in vLLM 0.24.0: S6). The finish then
+    # flushes it only where the cursor did not pass it.
+    "dcp-scan-reaches-confirmed-only": (
+        cfg(4, 4, (4,), 4, 2, attention_chunks=(), dcp_world_size=2),
+        [
+            ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 1),
+            ("step", 4),
+            ("drain",),
+            ("step", 4),
+            ("drain",),
+            ("step", 0),
+            ("drain",),
+            ("lookup", [0, 1, 2, 3, 4, 5, 6, 0, 1]),
+        ],
+    ),
     # A chunked local group (chunks of 8 tokens, blocks of 4) beside full attention (found by
     # the machine in vLLM 0.32.0: S24). A prompt stored to the CPU, the GPU's prefix cache
     # reset, its first block computed again on its own: the prompt then hits the GPU for 4

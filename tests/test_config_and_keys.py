@@ -35,6 +35,33 @@ def test_scheduler_block_size_is_the_lcm_of_group_sizes() -> None:
             {"group_block_sizes": (16, 16), "sliding_windows": (None, 0)},
             r"sliding_windows\[1\] must be > 0",
         ),
+        ({"attention_chunks": [None]}, "attention_chunks must be a tuple"),
+        ({"attention_chunks": (32,)}, "no full-attention group"),
+        ({"group_block_sizes": (16, 16), "attention_chunks": (None, 24)}, "not a multiple"),
+        (
+            {"group_block_sizes": (8, 16), "hash_block_size": 8, "attention_chunks": (32, None)},
+            "is not the scheduler block size 16",
+        ),
+        (
+            {
+                "group_block_sizes": (16, 16),
+                "sliding_windows": (None, 8),
+                "attention_chunks": (None, 32),
+            },
+            "both a sliding window and an attention chunk",
+        ),
+        ({"dcp_world_size": 0}, "dcp_world_size must be > 0"),
+        ({"dcp_world_size": 2}, "does not divide world_size 1"),
+        ({"dcp_world_size": 3, "world_size": 3}, "does not divide group 0's block size 16"),
+        (
+            {
+                "dcp_world_size": 2,
+                "world_size": 2,
+                "group_block_sizes": (16, 16),
+                "sliding_windows": (None, 8),
+            },
+            "group 1, which is not full attention",
+        ),
     ],
 )
 def test_bad_config_is_rejected_with_a_clear_message(
@@ -43,6 +70,26 @@ def test_bad_config_is_rejected_with_a_clear_message(
     base: dict[str, object] = {"gpu_blocks": 8, "cpu_blocks": 4}
     with pytest.raises(ConfigError, match=message):
         OffloadConfig(**{**base, **kwargs})  # type: ignore[arg-type]
+
+
+def test_a_chunked_local_group_holds_only_its_chunk_s_blocks() -> None:
+    chunked = OffloadConfig(
+        gpu_blocks=8,
+        cpu_blocks=4,
+        group_block_sizes=(4, 4),
+        hash_block_size=4,
+        attention_chunks=(None, 8),
+    )
+    assert [chunked.chunk(0), chunked.chunk(1), chunked.window(1)] == [None, 8, None]
+    assert not chunked.full_attention(1) and chunked.full_attention(0)
+    # the tokens of the chunks before the current one are skipped, whole chunks only
+    assert [chunked.skipped_tokens(1, n) for n in (0, 7, 8, 13, 16)] == [0, 0, 8, 8, 16]
+    assert chunked.skipped_tokens(0, 13) == 0
+    # 40 tokens: 10 full-attention blocks and at most a chunk's two
+    assert chunked.blocks_for(40) == 10 + 2
+    assert chunked.blocks_for(5) == 2 + 2
+    # vLLM's lazy target counts a chunked local group as full attention
+    assert chunked.lazy_target_free == 2 * 2 * (2048 // 4)
 
 
 def test_a_sliding_window_group_holds_only_its_window_s_blocks() -> None:

@@ -48,6 +48,7 @@ class ModelMachine(RuleBasedStateMachine):
         gpu_blocks=st.integers(8, 20),
         cpu_blocks=st.integers(1, 10),
         world_size=st.integers(1, 3),
+        dcp=st.sampled_from([1, 2]),
         initial=st.lists(PROMPTS, min_size=1, max_size=3),
     )
     def setup(
@@ -56,9 +57,14 @@ class ModelMachine(RuleBasedStateMachine):
         gpu_blocks: int,
         cpu_blocks: int,
         world_size: int,
+        dcp: int,
         initial: list[list[int]],
     ) -> None:
         groups, hbs, windows, chunks = layout
+        # Decode context parallelism where the layout allows it: full attention only, the
+        # ranks a divisor of the world and of every block size.
+        if windows or chunks or world_size % dcp or any(size % dcp for size in groups):
+            dcp = 1
         config = OffloadConfig(
             gpu_blocks,
             cpu_blocks,
@@ -67,6 +73,7 @@ class ModelMachine(RuleBasedStateMachine):
             world_size,
             sliding_windows=windows,
             attention_chunks=chunks,
+            dcp_world_size=dcp,
         )
         self.model = OffloadModel(config, check=True)
         self.next_id = 0

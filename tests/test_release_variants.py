@@ -111,12 +111,13 @@ def test_variants_compose() -> None:
         ("window-stale-ids", "window-block-reused", "POSITION"),
         ("reset-gpu-only", "prefix-reset-keeps-cpu", "RESET"),
         ("chunk-unaligned-hits", "chunk-hit-after-unaligned-prefix", "LOAD-TARGET"),
+        ("dcp-per-rank-blocks", "dcp-scan-reaches-confirmed-only", "SKIP"),
     ],
 )
 def test_the_later_bugs_break_the_invariant_their_variant_names(
     variant: str, scenario: str, invariant: str
 ) -> None:
-    """The variants of S12, S27, S26, S14, S24, the live window scan bug and #57727, with every
+    """The variants of S12, S27, S26, S14, S24, S6, the live window scan bug and #57727, with every
     invariant checked after every call: the fixed model runs the scenario clean, the variant
     breaks the invariant its docstring names."""
     config, program = SCENARIOS[scenario]

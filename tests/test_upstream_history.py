@@ -63,7 +63,7 @@ def test_each_release_runs_once_with_each_check_once_in_release_order() -> None:
     assert len(plan["0.29.0"]) == 2  # S9 and S10, one process
     assert plan["0.30.0"] == [
         Check(
-            "lazy-0.33+window-stale-ids+reset-gpu-only+preempt-keeps-table",
+            "lazy-0.33+window-stale-ids+reset-gpu-only+preempt-keeps-table+chunk-unaligned-hits",
             "conform",
             "0.30.0 conforms",
         )
@@ -178,6 +178,7 @@ def _scenario(name: str) -> tuple[tuple[Any, ...], list[Any]]:
     return (
         *fields,
         *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
+        *(config.kv_events, config.attention_chunks, config.dcp_world_size),
     ), program
 
 
@@ -241,6 +242,11 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
     "S26": _scenario("lazy-store-return-and-load"),
     # blocks behind the lazy scan's cursor, their CPU copies evicted, never stored again
     "S27": _scenario("lazy-scan-after-cpu-eviction"),
+    # a GPU hit of one block, inside the first attention chunk, then a CPU hit: up to 0.32.0
+    # its load writes into the null block
+    "S24": _scenario("chunk-hit-after-unaligned-prefix"),
+    # with DCP over two ranks, 0.24.0's scan reaches a block not yet confirmed
+    "S6": _scenario("dcp-scan-reaches-confirmed-only"),
     # a GPU prefix hit refreshes its CPU copy in 0.34.0
     "S25": (
         LARGE,

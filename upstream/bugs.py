@@ -63,6 +63,8 @@ _LAZY = "lazy-0.33"
 _LIVE = "window-stale-ids+reset-gpu-only"
 # Up to 0.31.0 (S20): a preempted request resumed as a new one keeps its old store table.
 _S20 = "preempt-keeps-table"
+# Up to 0.32.0 (S24): a CPU hit after a local prefix that ends inside an attention chunk.
+_S24 = "chunk-unaligned-hits"
 BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S1",
@@ -118,7 +120,10 @@ BUGS: list[HistoricalBug] = [
         "DCP/PCP global-token conversions",
         "0.24.0",
         "0.25.0",
-        out_of_reach="DCP/PCP block-size scaling",
+        "vllm-0.29",
+        "vllm-0.29",
+        "tracked|loads",
+        "0.24.0's other bugs (those of 0.29.0's model) modelled",
     ),
     HistoricalBug(
         "S7",
@@ -126,7 +131,7 @@ BUGS: list[HistoricalBug] = [
         "PCP no longer scales block sizes",
         "0.25.1",
         "0.26.0",
-        out_of_reach="DCP/PCP block-size scaling",
+        out_of_reach="prefill context parallelism (PCP); DCP alone is modelled",
     ),
     HistoricalBug(
         "S8",
@@ -143,7 +148,7 @@ BUGS: list[HistoricalBug] = [
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S12}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
-        f"{_LAZY}+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}+{_S24}",
         "pending_flushes",
         "0.29.0's registration (S10), CPU hits for requests that skip reading (S12), "
         "window scan (S14) and selection loop modelled",
@@ -155,7 +160,7 @@ BUGS: list[HistoricalBug] = [
         "0.29.0",
         "0.30.0",
         f"{_S9}+{_S12}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
-        f"{_LAZY}+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}+{_S24}",
         "snapshots differ in ['cpu']",
         "0.29.0's missing final flush (S9), CPU hits for requests that skip reading (S12), "
         "window scan (S14) and selection loop modelled",
@@ -176,7 +181,7 @@ BUGS: list[HistoricalBug] = [
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S9}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
-        f"{_LAZY}+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}+{_S24}",
         # The CPU hit it serves shows first as its load, or, when the step that would send
         # the load differs first in its stores, as the hit pinned for the request.
         "'loads'|'pending_hits'",
@@ -198,7 +203,7 @@ BUGS: list[HistoricalBug] = [
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S9}+{_S12}+selection-0.29+{_LIVE}+{_S20}",
-        f"{_LAZY}+{_LIVE}+{_S20}",
+        f"{_LAZY}+{_LIVE}+{_S20}+{_S24}",
         # the cursor left on the null position (CPU pool full), or the block taken back
         # from the GPU prefix cache in the model's store and not in 0.29.0's
         "tracked|in_flight_gpu_blocks",
@@ -251,8 +256,8 @@ BUGS: list[HistoricalBug] = [
         "eager-store placement reset on preemption (MRV2)",
         "0.31.0",
         "0.32.0",
-        f"{_LAZY}+{_LIVE}",
-        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        f"{_LAZY}+{_LIVE}+{_S24}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}+{_S24}",
         "tracked",
         "0.31.0's lazy mode (S26, S27) and reset (S21) modelled",
     ),
@@ -262,8 +267,8 @@ BUGS: list[HistoricalBug] = [
         "reset() keeps the pins of CPU hits not yet allocated",
         "0.31.0",
         "0.32.0",
-        f"reset-releases-hits+{_LAZY}+{_LIVE}+{_S20}",
-        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}+{_S20}+{_S24}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}+{_S24}",
         "pending_hits",
         "0.31.0's lazy mode (S26, S27) and resumption (S20) modelled",
     ),

@@ -54,7 +54,14 @@ RELEASES = {
             "vLLM 0.29.0's model with the pool of 0.23.0",
         ),
         *_conforming(
-            ["0.24.0", "0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"],
+            ["0.24.0"],
+            "vllm-0.29+dcp-per-rank-blocks",
+            "reset() (PR #39726) and the pool of 0.29.0; both bugs of #53498; DCP allowed",
+            "both bugs of #53498, the CPU hits of requests that skip reading and the per-rank "
+            "block counts of DCP (S6) modelled",
+        ),
+        *_conforming(
+            ["0.25.0", "0.25.1", "0.26.0", "0.27.0", "0.27.1", "0.28.0"],
             "vllm-0.29",
             "reset() (PR #39726) and the pool of 0.29.0; both bugs of #53498",
             "both bugs of #53498 and the CPU hits of requests that skip reading modelled",

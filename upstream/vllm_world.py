@@ -84,6 +84,12 @@ def supported(config: OffloadConfig) -> str | None:
         # Up to 0.29.0 the eager scan passed over the nulls of a table (S14's class) and
         # before 0.24.0 every group hashed whole blocks: not modelled for chunked groups.
         return "chunked local attention groups are modelled from vLLM 0.30.0 on"
+    if config.dcp_world_size > 1 and (0, 0, 0) < version_numbers() < (0, 24, 0):
+        # PR #39831 (0.24.0) lifted the offload scheduler's assertion against DCP.
+        return "decode context parallelism is asserted off before vLLM 0.24.0"
+    if config.dcp_world_size > 1 and len(sizes) > 1 and (0, 0, 0) < version_numbers() < (0, 26, 0):
+        # resolve_kv_cache_block_sizes raises for several groups with DCP up to 0.25.x.
+        return "several KV groups with decode context parallelism are rejected before vLLM 0.26.0"
     if config.kv_events and (0, 0, 0) < version_numbers() < (0, 30, 0):
         # Up to 0.29.0 the CPU tier's BlockStored events had no tokens, no parent, the GPU's
         # medium and no secondary keys (S11, PR #54325): not modelled.
@@ -182,7 +188,9 @@ def build(config: OffloadConfig) -> World:
             return SlidingWindowSpec(**shape, sliding_window=window)
         if (chunk := config.chunk(group)) is not None:
             return ChunkedLocalAttentionSpec(**shape, attention_chunk_size=chunk)
-        return FullAttentionSpec(**shape)
+        # Decode context parallelism: a rank holds 1 / dcp of a full-attention block's tokens
+        # (the coordinator scales the spec's size back up).
+        return FullAttentionSpec(**{**shape, "block_size": size // config.dcp_world_size})
 
     specs = [spec(g, size) for g, size in enumerate(config.group_block_sizes)]
     groups = [KVCacheGroupSpec([f"layer.{g}"], spec) for g, spec in enumerate(specs)]
@@ -210,6 +218,9 @@ def build(config: OffloadConfig) -> World:
         )
     )
     gpu_pool = BlockPool(config.gpu_blocks, True, config.hash_block_size)
+    # The scheduler side reads the DCP size only; the ranks' own check (tensor parallelism a
+    # multiple of it) is the model's configuration check (dcp_world_size divides world_size).
+    vllm_config.parallel_config.decode_context_parallel_size = config.dcp_world_size
 
     def scheduler_with(capacity: int) -> Any:
         return SimpleCPUOffloadScheduler(
