@@ -254,3 +254,31 @@ def test_a_key_captured_as_a_primary_and_stored_as_a_secondary_has_an_empty_even
     for call in program:
         apply(impl, call)
     assert sorted(map(str, impl.take_events())) == sorted(map(str, events))
+
+
+def test_dcp_per_rank_blocks_loads_over_the_local_prefix_and_load_target_catches_it() -> None:
+    # vLLM 0.24.0 (S6) with two DCP ranks: a prompt of three blocks stored, the GPU's prefix
+    # cache reset, its first two blocks computed again; the prompt then hits the GPU for 8
+    # tokens and loads its third block from the CPU. 0.24.0's back-trace counts the local
+    # prefix in per-rank tokens (2 blocks of 2), so the load lands on the prefix's second
+    # block, not the third (vLLM 0.24.0 does exactly this: it conforms to the variant).
+    config = OffloadConfig(12, 12, (4,), 4, 2, dcp_world_size=2)
+    stem = [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5]
+    settle: list[Call] = [("step", 8), ("drain",)] * 4
+    program: list[Call] = [
+        ("add", "r0", stem, 2),
+        *settle,
+        ("reset_prefix_cache", False),
+        ("add", "r1", stem[:8], 1),
+        *settle,
+        ("add", "r2", stem, 1),
+        ("step", 8),
+    ]
+    for variant, position in (("fixed", 2), ("dcp-per-rank-blocks", 1)):
+        model = OffloadModel(config, variant=variant)
+        for call in program:
+            apply(model, call)
+        load = model.engine.connector.reqs_to_load["r2"].transfer.gpu_block_ids
+        assert load == [model.engine.req_to_blocks["r2"][0][position]], variant
+        found = _ids(model)
+        assert ("LOAD-TARGET" in found) == (variant != "fixed"), (variant, found)
