@@ -104,41 +104,37 @@ class OffloadConfig:
         self._check_chunks()
         self._check_dcp()
 
-    def _check_windows(self) -> None:
-        windows = self.sliding_windows
-        if not isinstance(windows, tuple):
-            raise ConfigError(f"sliding_windows must be a tuple, got {windows!r}")
-        if not windows:
-            return
-        if len(windows) != len(self.group_block_sizes):
+    def _check_per_group(self, name: str) -> tuple[int | None, ...]:
+        """``name`` (a field naming an int or None per group) is a tuple, empty or of one
+        entry per group, each a positive int or None."""
+        values = getattr(self, name)
+        if not isinstance(values, tuple):
+            raise ConfigError(f"{name} must be a tuple, got {values!r}")
+        if values and len(values) != len(self.group_block_sizes):
             raise ConfigError(
-                f"sliding_windows names {len(windows)} groups, group_block_sizes "
+                f"{name} names {len(values)} groups, group_block_sizes "
                 f"{len(self.group_block_sizes)}"
             )
-        for g, window in enumerate(windows):
-            if window is not None:
-                _require_positive_int(f"sliding_windows[{g}]", window)
-        if all(window is not None for window in windows):
+        for g, value in enumerate(values):
+            if value is not None:
+                _require_positive_int(f"{name}[{g}]", value)
+        return values
+
+    def _check_windows(self) -> None:
+        windows = self._check_per_group("sliding_windows")
+        if windows and all(window is not None for window in windows):
             raise ConfigError(
                 "sliding_windows leaves no full-attention group: the offload scheduler "
                 "matches prefixes on one"
             )
 
     def _check_chunks(self) -> None:
-        chunks = self.attention_chunks
-        if not isinstance(chunks, tuple):
-            raise ConfigError(f"attention_chunks must be a tuple, got {chunks!r}")
+        chunks = self._check_per_group("attention_chunks")
         if not chunks:
             return
-        if len(chunks) != len(self.group_block_sizes):
-            raise ConfigError(
-                f"attention_chunks names {len(chunks)} groups, group_block_sizes "
-                f"{len(self.group_block_sizes)}"
-            )
         for g, chunk in enumerate(chunks):
             if chunk is None:
                 continue
-            _require_positive_int(f"attention_chunks[{g}]", chunk)
             size = self.group_block_sizes[g]
             if self.window(g) is not None:
                 raise ConfigError(f"group {g} has both a sliding window and an attention chunk")

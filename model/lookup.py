@@ -44,6 +44,24 @@ def _cached(
     return None if any(b is None for b in found) else [b for b in found if b is not None]
 
 
+def _extend_run(
+    pool: BlockPool,
+    keys: list[list[BlockKey]],
+    blocks: list[list[Block]],
+    start: int,
+    stop: int,
+    skip: Container[int],
+) -> None:
+    """Append to ``blocks`` the cached blocks of positions ``start``, ``start + 1``, ... up to
+    the first miss (at most up to ``stop`` and the keys' end)."""
+    for i in range(start, min(stop, len(keys[0]))):
+        found = _cached(pool, keys, i, skip)
+        if found is None:
+            return
+        for group, block in zip(blocks, found, strict=True):
+            group.append(block)
+
+
 def _full_attention_hit(
     pool: BlockPool,
     keys: list[list[BlockKey]],
@@ -54,12 +72,7 @@ def _full_attention_hit(
 ) -> tuple[list[list[Block]], int]:
     """vLLM's ``FullAttentionManager.find_longest_cache_hit`` (block-aligned lookups)."""
     blocks: list[list[Block]] = [[] for _ in keys]
-    for i in range(min(max_length // block_size, len(keys[0]))):
-        found = _cached(pool, keys, i, skip)
-        if found is None:
-            break
-        for group, block in zip(blocks, found, strict=True):
-            group.append(block)
+    _extend_run(pool, keys, blocks, 0, max_length // block_size, skip)
     hit = align_down(len(blocks[0]) * block_size, alignment)
     return [group[: -(-hit // block_size)] for group in blocks], hit
 
@@ -112,12 +125,7 @@ def _chunked_local_hit(
     a whole number of chunks (vLLM 0.33.0; bug S24 of docs/history.md before it)."""
     start = align_down(max_length, chunk) // block_size if max_length > 0 else 0
     blocks: list[list[Block]] = [[pool.null_block] * start for _ in keys]
-    for i in range(start, min(max_length // block_size, len(keys[0]))):
-        found = _cached(pool, keys, i, skip)
-        if found is None:
-            break
-        for group, block in zip(blocks, found, strict=True):
-            group.append(block)
+    _extend_run(pool, keys, blocks, start, max_length // block_size, skip)
     return blocks, len(blocks[0]) * block_size
 
 
