@@ -101,8 +101,8 @@ SETUP = initialize(
     lazy=st.integers(0, 2).map(lambda n: n == 2),
     # kv-cache events published and compared after every call, one program in three
     kv_events=st.integers(0, 2).map(lambda n: n == 2),
-    # decode context parallelism over two ranks, one program in three where the layout and
-    # the world allow it (full attention only, an even world)
+    # decode context parallelism over two ranks, one program in three where the layout
+    # allows it (full attention only)
     dcp=st.integers(0, 2).map(lambda n: 2 if n == 2 else 1),
 )
 
@@ -205,8 +205,12 @@ class ConformanceMachine(RuleBasedStateMachine):
         groups, hbs, windows, chunks = layout
         if windows or chunks:
             # Two groups hold a block each per position: twice the blocks, so that prompts
-            # long enough to slide past the window still run alone in one chunk.
+            # long enough to slide past the window still run alone in one chunk. vLLM's
+            # coordinator allows decode context parallelism for full attention only.
             gpu_blocks *= 2
+            dcp = 1
+        # The DCP ranks split the tensor-parallel world: an odd world is made even for two.
+        world_size += world_size % dcp
         self.config = OffloadConfig(
             gpu_blocks,
             cpu_blocks,
@@ -217,7 +221,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             sliding_windows=windows,
             kv_events=kv_events,
             attention_chunks=chunks,
-            dcp_world_size=dcp if not windows and not chunks and world_size % dcp == 0 else 1,
+            dcp_world_size=dcp,
         )
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
         assume(unsupported(type(self).adapter_name, self.config) is None)
