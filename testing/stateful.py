@@ -425,9 +425,10 @@ class ConformanceMachine(RuleBasedStateMachine):
     # `evict` (the mutation matrix's machine) loads came in about one program in 40, and a
     # fault in a load's completion or its stats was found in some streams only after 900.
     # Two times in three, the prompt's first scheduler blocks (one or two, a shared system
-    # prompt) run on their own first: the prompt then hits the GPU for them and the CPU for
-    # the rest (vLLM's partial GPU prefix plus CPU load). With a chunked local group, a GPU
-    # hit of one block ends inside a chunk, where no CPU hit may follow (S24's class).
+    # prompt, leaving at least one to load) run on their own first: the prompt then hits the
+    # GPU for them and the CPU for the rest (vLLM's partial GPU prefix plus CPU load). With
+    # a chunked local group, a GPU hit of one block ends inside a chunk, where no CPU hit may
+    # follow (S24's class).
     @precondition(lambda self: self.resets and bool(self.prompts))
     @rule(data=st.data(), budget=SETTLE_BUDGETS)
     def reload(self, data: st.DataObject, budget: int) -> None:
@@ -438,7 +439,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         self.run(("reset_prefix_cache", False), "reload", continued=self.rule_steps > before)
         self.read_stats()
         align = self.config.scheduler_block_size
-        warm_tokens = min(warm, (len(earlier) - 1) // align) * align
+        # at least a block is left to load: the last token is computed, not loaded
+        warm_tokens = max(0, min(warm, (len(earlier) - 1) // align - 1)) * align
         if warm_tokens:
             self.admit(earlier[:warm_tokens], 1, "reload", continued=True, remember=False)
             self.settle_rounds(budget, "reload")
