@@ -369,8 +369,8 @@ class DcpPerRankBlocks(Connector):
 class ChunkUnalignedHits(Connector):
     """vLLM <= 0.32.0 (S24, fixed in 0.33.0): a CPU hit follows a local prefix that ends
     inside an attention chunk; the lookup counts the chunks from its own start, so the
-    chunked local group's blocks of the chunk the hit ends in are taken for nulls and never
-    loaded."""
+    chunked local group's hit sits one chunk boundary off, and its load writes a block of a
+    chunk the request has left into the null block its table holds there."""
 
     def starts_on_chunk_boundary(self, computed: int) -> bool:
         return True

@@ -306,9 +306,9 @@ class OffloadScheduler:
     def starts_on_chunk_boundary(self, num_computed_tokens: int) -> bool:
         """Whether a CPU hit may follow a local prefix of ``num_computed_tokens``: the lookup
         counts a chunked local group's chunks from its own start, so that start must be a
-        chunk boundary (vLLM 0.33.0; bug S24 of docs/history.md: a hit after a prefix that
-        ends inside a chunk takes the current chunk's blocks for nulls, and they are never
-        loaded)."""
+        chunk boundary (vLLM 0.33.0; bug S24 of docs/history.md: after a prefix that ends
+        inside a chunk, the chunked group's hit sits one chunk boundary off, and its load
+        writes into the null block)."""
         return all(
             num_computed_tokens % chunk == 0
             for g in range(self.config.num_groups)

@@ -64,9 +64,9 @@ Decode context parallelism had one in 0.24.0, the first release to allow it, fix
 Chunked local attention had one up to 0.32.0, fixed in 0.33.0:
 
 - ``chunk-unaligned-hits`` (S24): the CPU lookup follows a local prefix that ends inside a
-  chunk; it counts the chunks from its own start, so the hit's chunked local group holds
-  nulls where the chunk the hit ends in needs blocks, which no load fills. Caught by
-  LOAD-TARGET.
+  chunk; it counts the chunks from its own start, so the chunked local group's hit sits one
+  chunk boundary off, and its load writes a block of a chunk the request has left into the
+  null block its table holds there. Caught by LOAD-TARGET.
 
 Lazy mode had two bugs up to 0.33.0, fixed in 0.34.0 (the lazy scan of vLLM 0.30.0 to 0.33.0
 is the same code):
