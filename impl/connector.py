@@ -278,7 +278,7 @@ class Connector:
         (counted from ``start_tokens``), then that chunk's cached blocks up to a miss."""
         size = self.sizes[groups[0]]
         first = start_tokens // size
-        start = limit // chunk * chunk // size if limit > 0 else 0
+        start = limit // chunk * chunk // size
         blocks = [[NULL] * start for _ in groups]
         for i in range(start, limit // size):
             found = self._position(pool, keys, groups, first + i, skip)

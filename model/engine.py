@@ -343,15 +343,15 @@ class Engine:
             for hit, skip in zip(hits, skipped, strict=True):
                 self.gpu_pool.touch(hit[skip:])
             if num_external:
+                total = num_local + num_external
                 for g, size in enumerate(sizes):
                     ids = self.req_to_blocks[req_id][g]
-                    total = num_local + num_external
                     if total - self.config.skipped_tokens(g, total) <= 0:
                         # The external range has all left the window (a window of 1 attends
                         # to no earlier token) or the chunk (it ends on a chunk boundary):
                         # vLLM allocates it nothing.
                         continue
-                    n = max(0, math.ceil((num_local + num_external) / size) - len(ids))
+                    n = max(0, math.ceil(total / size) - len(ids))
                     ids.extend(b.block_id for b in self.gpu_pool.get_new_blocks(n))
         for g, size in enumerate(sizes):
             ids = self.req_to_blocks[req_id][g]

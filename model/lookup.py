@@ -123,7 +123,7 @@ def _chunked_local_hit(
     """vLLM's ``ChunkedLocalAttentionManager.find_longest_cache_hit`` (its block size is the
     alignment). The chunks are counted from the lookup's start: the caller's local prefix is
     a whole number of chunks (vLLM 0.33.0; bug S24 of docs/history.md before it)."""
-    start = align_down(max_length, chunk) // block_size if max_length > 0 else 0
+    start = align_down(max_length, chunk) // block_size
     blocks: list[list[Block]] = [[pool.null_block] * start for _ in keys]
     _extend_run(pool, keys, blocks, start, max_length // block_size, skip)
     return blocks, len(blocks[0]) * block_size

@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
-from kvoffload.model.arith import lookup_limit, plan_selection, ready_blocks
+from kvoffload.model.arith import align_down, lookup_limit, plan_selection, ready_blocks
 from kvoffload.model.block_pool import Block, BlockPool
 from kvoffload.model.keys import BlockKey, block_keys, fine_key
 from kvoffload.model.lookup import find_longest_cache_hit
@@ -612,7 +612,7 @@ class OffloadScheduler:
                 final_flush,
                 num_free,
                 tuple(observed),
-                request.num_computed_tokens // self.block_size * self.block_size,
+                align_down(request.num_computed_tokens, self.block_size),
             )
         )
         meta = None

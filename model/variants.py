@@ -295,7 +295,7 @@ class DcpPerRankBlocksScheduler(OffloadScheduler):
 
     def ready_count(self, num_computed: int, group_block_size: int, table_len: int) -> int:
         per_rank = group_block_size // self.config.dcp_world_size
-        return min(table_len, num_computed // self.block_size * self.block_size // per_rank)
+        return super().ready_count(num_computed, per_rank, table_len)
 
     def load_start(
         self, pending: PendingHit, group_block_size: int, num_taken: int, num_external: int
