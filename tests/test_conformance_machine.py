@@ -84,6 +84,21 @@ def test_cpu_loads_are_common(loads: bool) -> None:
     assert _programs_with_loads(loads) >= 30
 
 
+def test_decode_context_parallelism_is_common() -> None:
+    """Two DCP ranks in one program in nine or more of these 300 (47 of them): drawn one
+    program in three on the full-attention layouts, an odd world made even for them (9 where
+    an odd world drops DCP instead; docs/conformance.md)."""
+    found: list[int] = []
+
+    class Counting(machine_for("impl", loads=False)):  # type: ignore[misc]
+        def teardown(self) -> None:
+            found.extend([1] if self.model.config.dcp_world_size > 1 else [])
+            super().teardown()
+
+    run_state_machine_as_test(Counting, settings=settings(profiles.get("ci"), max_examples=300))
+    assert len(found) >= 33, len(found)
+
+
 def test_resets_with_a_final_flush_queued_are_common() -> None:
     """A reset that must release a final flush no step has sent (PR #53532): the
     ``weight_update`` rule makes it in one program in twenty or more of these 300 (27 of

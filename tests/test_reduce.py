@@ -97,6 +97,25 @@ def test_a_failure_is_reported_in_the_simplest_configuration_that_shows_it() -> 
     assert simpler_config(config, program, lambda c: lambda calls: None, wanted) == config
 
 
+def test_a_simpler_configuration_drops_decode_context_parallelism_unless_it_is_needed() -> None:
+    config = OffloadConfig(4, 16, (16,), 16, 2, dcp_world_size=2)
+    program: tuple[Call, ...] = (("step", 8),)
+    wanted = "result of step"
+    found = "call 0 ('step', 8): model returned 1, implementation 2"
+
+    def always(c: OffloadConfig) -> Callable[[list[Call]], str | None]:
+        return lambda calls: found
+
+    def only_dcp(c: OffloadConfig) -> Callable[[list[Call]], str | None]:
+        return lambda calls: found if c.dcp_world_size > 1 else None
+
+    # one rank, then one worker
+    assert simpler_config(config, program, always, wanted) == OffloadConfig(4, 16, (16,), 16, 1)
+    # two ranks kept, and with them two workers: one worker is a configuration the model
+    # refuses (DCP splits the workers), passed over rather than raised
+    assert simpler_config(config, program, only_dcp, wanted) == config
+
+
 def test_a_call_only_the_lazy_program_needs_goes_with_lazy_mode() -> None:
     # As S21's counterexample found in lazy mode: there a step must store the block again
     # after a reset; in eager mode the reset must not be there at all.
