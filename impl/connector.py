@@ -1,6 +1,7 @@
 """The implementation's offload scheduler: CPU offloading as vLLM 0.30.0's
-``SimpleCPUOffloadScheduler`` for full-attention, sliding-window and chunked local groups, with
-kv-cache events, eager or lazy as 0.34.0 has it, written for speed.
+``SimpleCPUOffloadScheduler`` for full-attention, sliding-window, chunked local and Mamba
+groups (their states stored as the scheduler hands them off), with kv-cache events, eager or
+lazy as 0.34.0 has it, written for speed.
 
 State is in arrays (:mod:`kvoffload.impl.pool`): transfers, hits and loads hold block ids,
 and every pool operation takes a whole batch. Selection walks each group's block table from
@@ -53,6 +54,8 @@ class Load:
 # What the connector reads of a scheduled request: its id, the block ids per group (the
 # whole table for a new or resumed request, else the step's new blocks), tokens scheduled.
 Scheduled = tuple[str, tuple[list[int], ...], int]
+# A boundary-state hand-off: the request and the GPU block of the state it cached.
+Offer = tuple[str, int]
 
 
 @dataclass
@@ -83,21 +86,28 @@ class Connector:
         self.sizes = config.group_block_sizes
         self.align = config.scheduler_block_size
         self.hbs = config.hash_block_size
-        # Spec groups (block size, window, chunk, group ids): full attention first; one
-        # group list empty when every group is full attention (looked up together, the fast
-        # path).
-        specs: dict[tuple[int | None, int | None, int], list[int]] = {}
+        # Spec groups (block size, window, chunk, Mamba, group ids): full attention first;
+        # one group list empty when every group is full attention (looked up together, the
+        # fast path).
+        specs: dict[tuple[int | None, int | None, bool, int], list[int]] = {}
         for g, size in enumerate(self.sizes):
-            specs.setdefault((config.window(g), config.chunk(g), size), []).append(g)
-        ordered = sorted(specs.items(), key=lambda item: item[0][:2] != (None, None))
-        self.specs: list[tuple[int, int | None, int | None, list[int]]] = [
-            (size, window, chunk, groups) for (window, chunk, size), groups in ordered
+            kind = (config.window(g), config.chunk(g), config.is_mamba(g), size)
+            specs.setdefault(kind, []).append(g)
+        ordered = sorted(specs.items(), key=lambda item: item[0][:3] != (None, None, False))
+        self.specs: list[tuple[int, int | None, int | None, bool, list[int]]] = [
+            (size, window, chunk, mamba, groups) for (window, chunk, mamba, size), groups in ordered
         ]
-        if not config.sliding_windows and not config.attention_chunks:
-            self.specs = [(0, None, None, [])]
-        self.simple_hybrid = len(self.specs) == 2 and self.specs[0][1:3] == (None, None)
-        # Groups whose blocks leave the table (a sliding window's, a chunked local group's).
+        if all(config.full_attention(g) for g in range(len(self.sizes))):
+            self.specs = [(0, None, None, False, [])]
+        self.simple_hybrid = len(self.specs) == 2 and self.specs[0][1:4] == (None, None, False)
+        # Groups whose blocks leave the table (a sliding window's, a chunked local group's,
+        # a Mamba group's).
         self.local = [not config.full_attention(g) for g in range(len(self.sizes))]
+        # Mamba groups: not scanned (their states come by hand-offs).
+        self.mamba = [config.is_mamba(g) for g in range(len(self.sizes))]
+        # The longest hit one kind of group found in the last hybrid lookup (past the
+        # common hit where a group caches a longer prefix: a Mamba prefill's junction).
+        self.longest = 0
         self.chunks = [c for g in range(len(self.sizes)) if (c := config.chunk(g)) is not None]
         self.gpu = gpu
         self.cpu = Pool(config.cpu_blocks, "cpu")
@@ -119,6 +129,7 @@ class Connector:
         self.partial: dict[int, int] = {}
         self.failed: set[int] = set()  # store events a worker reported failed
         self.loaded_since_drain = 0  # GPU blocks of sent loads completed since the stats
+        self.outcomes: dict[str, int] = {}  # boundary hand-offs per outcome, since then too
         # CPU block ids -> those whose bytes fail their checksum; the driver gives the
         # workers' check (the scheduler alone holds no bytes: nothing is ever damaged).
         self.integrity_check: Callable[[list[int]], set[int]] = lambda ids: set()
@@ -137,15 +148,16 @@ class Connector:
         agrees on, and its length (vLLM's hybrid coordinator: full attention first, left to
         right; sliding windows right to left; asked again until no group lowers the hit).
         Blocks in ``skip`` are passed over as if they were not cached."""
-        if not self.specs[0][3]:  # full attention only
-            return self._full_hit(pool, keys, self.specs[0][3], start_tokens, limit, skip)
+        if not self.specs[0][4]:  # full attention only
+            return self._full_hit(pool, keys, self.specs[0][4], start_tokens, limit, skip)
         found: list[list[int]] = [[] for _ in self.sizes]
         full_hits: dict[int, int] = {}
         hit = max(limit, 0)
+        longest = 0
         while True:
             candidate = hit
-            for s, (_, window, chunk, groups) in enumerate(self.specs):
-                full = window is None and chunk is None
+            for s, (_, window, chunk, mamba, groups) in enumerate(self.specs):
+                full = window is None and chunk is None and not mamba
                 if full and s in full_hits:
                     candidate = min(candidate, full_hits[s])
                     continue
@@ -154,6 +166,10 @@ class Connector:
                         pool, keys, groups, start_tokens, candidate, skip
                     )
                     full_hits[s] = candidate
+                elif mamba:
+                    blocks, candidate = self._mamba_hit(
+                        pool, keys, groups, start_tokens, candidate, skip
+                    )
                 elif chunk is not None:
                     blocks, candidate = self._chunk_hit(
                         pool, keys, groups, chunk, start_tokens, candidate, skip
@@ -165,6 +181,7 @@ class Connector:
                     )
                 for g, group_blocks in zip(groups, blocks, strict=True):
                     found[g] = group_blocks
+                longest = max(longest, candidate)
             if candidate >= hit:
                 break
             hit = candidate
@@ -173,6 +190,7 @@ class Connector:
         for g, size in enumerate(self.sizes):
             if not self.local[g]:
                 del found[g][-(-hit // size) :]
+        self.longest = longest
         return found, hit
 
     def _position(
@@ -288,6 +306,27 @@ class Connector:
                 group_blocks.append(block)
         return blocks, len(blocks[0]) * size
 
+    def _mamba_hit(
+        self,
+        pool: Pool,
+        keys: Sequence[Sequence[str]],
+        groups: list[int],
+        start_tokens: int,
+        limit: int,
+        skip: Container[int],
+    ) -> tuple[list[list[int]], int]:
+        """Mamba (align mode): the last cached state below ``limit`` that ends on an
+        aligned boundary; nulls before it."""
+        size = self.sizes[groups[0]]
+        first = start_tokens // size
+        for i in range(limit // size - 1, -1, -1):
+            if (i + 1) * size % self.align:
+                continue
+            found = self._position(pool, keys, groups, first + i, skip)
+            if found is not None:
+                return [[NULL] * i + [block] for block in found], (i + 1) * size
+        return [[] for _ in groups], 0
+
     def match(self, request: ImplRequest, computed: int) -> tuple[int, bool]:
         stale = self.hits.pop(request.request_id, None)
         if stale is not None:
@@ -382,11 +421,14 @@ class Connector:
     # -- stores ---------------------------------------------------------------------------
 
     def build_meta(
-        self, scheduled: list[Scheduled], preempted: Sequence[str] = ()
+        self,
+        scheduled: list[Scheduled],
+        preempted: Sequence[str] = (),
+        offers: Sequence[Offer] = (),
     ) -> ConnectorMetadata:
         """``scheduled``: (request id, new block ids per group, tokens scheduled), new and
         resumed requests first, as vLLM's ``yield_req_data``; ``preempted``: the requests
-        preempted this step."""
+        preempted this step; ``offers``: the step's boundary-state hand-offs."""
         gpu: list[int] = []
         cpu: list[int] = []
         reqs: list[str] = []
@@ -399,6 +441,7 @@ class Connector:
             cpu = self.reserve(gpu)
             self.gpu.pin(gpu)
         if not self.lazy:
+            self.store_states(offers, preempted, gpu, cpu, reqs, meta)
             for rid in preempted:  # their blocks are gone: tables and cursors start over
                 self.forget_table(rid)
         for rid, new_ids, num_tokens in scheduled:
@@ -431,6 +474,7 @@ class Connector:
             store_event = self.next_store_event
             self.next_store_event += 1
             self.stores[store_event] = Copy(gpu, cpu, meta)
+            reqs = list(dict.fromkeys(reqs))  # a hand-off and a scan of one request
             if reqs:
                 self.store_reqs[store_event] = reqs
                 for rid in reqs:
@@ -457,6 +501,45 @@ class Connector:
             tuple(load_cpu),
             {e: tuple(r) for e, r in self.load_events.items()},
         )
+
+    def store_states(
+        self,
+        offers: Sequence[Offer],
+        preempted: Sequence[str],
+        gpu: list[int],
+        cpu: list[int],
+        reqs: list[str],
+        meta: list[dict[str, Meta]] | None,
+    ) -> None:
+        """Store the step's boundary-state hand-offs (Mamba states just cached), each
+        counted by outcome; none of a request finished, preempted or not tracked (its blocks
+        may be another's now)."""
+        key, in_flight, index = self.gpu.key, self.in_flight, self.cpu.index
+        outcomes = self.outcomes
+        for rid, block in offers:
+            tracker = self.trackers.get(rid)
+            if tracker is None or tracker.finished or rid in preempted:
+                outcome = "dropped_request_gone"
+            elif block == NULL:
+                outcome = "dropped_null_block"
+            elif key[block] is None:
+                outcome = "dropped_not_hashed"
+            elif block in in_flight:
+                outcome = "skipped_in_flight"
+            elif key[block] in index:
+                outcome = "skipped_already_cached"
+            elif not self.cpu.num_free:
+                outcome = "dropped_cpu_full"
+            else:
+                outcome = "stored"
+                gpu.append(block)
+                cpu += self.reserve([block])
+                reqs.append(rid)
+                if meta is not None:
+                    meta.append({})  # its keys are the block's own: nothing captured
+                in_flight.add(block)
+                self.gpu.pin([block])
+            outcomes[outcome] = outcomes.get(outcome, 0) + 1
 
     def forget_table(self, rid: str) -> None:
         """A preempted request's tracker: no table, cursors at 0."""
@@ -516,6 +599,8 @@ class Connector:
         for g, table in enumerate(tables):
             if len(picked) >= room:
                 return picked, advanced, True
+            if self.mamba[g]:
+                continue
             start = tracker.cursors[g]
             window = table[start : self.ready(g, confirmed, len(table))]
             if self.local[g]:
@@ -541,6 +626,8 @@ class Connector:
         confirmed = request.num_computed_tokens // self.align * self.align
         where: dict[int, tuple[int, int]] = {}
         for g, table in enumerate(tables):
+            if self.mamba[g]:
+                continue
             start = tracker.cursors[g]
             window = table[start : self.ready(g, confirmed, len(table))]
             if self.local[g]:
@@ -753,8 +840,10 @@ class Connector:
             pending_store_blocks=sum(len(c.cpu) for c in copies),
             capacity_blocks=self.cpu.num_blocks,
             lazy=self.lazy,
+            save_outcomes=tuple(sorted(self.outcomes.items())),
         )
         self.loaded_since_drain = 0
+        self.outcomes = {}
         return report
 
     def untrack(self, rid: str) -> None:

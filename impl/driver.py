@@ -132,7 +132,7 @@ class OffloadImpl:
         for w in self.workers:
             w.begin_step()
         ranges, loading, scheduled, preempted = self.engine.step(token_budget)
-        meta = self.connector.build_meta(scheduled, preempted)
+        meta = self.connector.build_meta(scheduled, preempted, self.engine.take_offers())
         for w in self.workers:
             for rid, (start, end) in ranges.items():
                 req = self.engine.requests[rid]

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.impl.connector import Connector, Copy, Scheduled
 from kvoffload.impl.pool import NULL, Pool, make_key
-from kvoffload.model.arith import reachable
+from kvoffload.model.arith import mamba_chunk, reachable
 from kvoffload.model.keys import chain_digest
 
 if TYPE_CHECKING:
@@ -50,6 +50,7 @@ class ImplRequest:
         self.num_prompt = len(self.tokens)
         self.max_tokens = max_tokens
         self.num_computed_tokens = 0
+        self.junction = 0  # a prefix some group caches past the common hit, or 0
         self.status = Status.WAITING
         self.hbs = config.hash_block_size
         self.sizes = config.group_block_sizes
@@ -106,6 +107,12 @@ class ImplEngine:
         self.cached: dict[str, list[int]] = {}
         self.loaded: set[str] = set()
         self.free_after_load: set[str] = set()
+        self.mamba = [config.is_mamba(g) for g in range(len(self.sizes))]
+        self.has_mamba = any(self.mamba)
+        # Mamba: the step's boundary-state hand-offs (request, block), and the keys of the
+        # states cached in this step (a hit on one waits for the next step).
+        self.offers: list[tuple[str, int]] = []
+        self.cached_this_step: set[str] = set()
 
     def add(
         self,
@@ -132,11 +139,15 @@ class ImplEngine:
         cached: list[Scheduled] = []
         loading: list[str] = []
         preempted: list[str] = []
+        self.cached_this_step.clear()
         index = 0
         while index < len(self.running) and budget > 0:
             rid = self.running[index]
             req = self.requests[rid]
-            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            n = self.chunk(req, min(req.num_tokens - req.num_computed_tokens, budget), 0)
+            if n == 0:  # no block-aligned chunk fits: passed over
+                index += 1
+                continue
             sizes_before = [len(ids) for ids in self.table(rid)]
             ok = self.allocate(req, n)
             while not ok:  # FCFS preemption: the last running request makes room
@@ -169,13 +180,20 @@ class ImplEngine:
             local = external = 0
             load = False
             if req.num_computed_tokens == 0:
+                req.junction = 0
                 if not req.skip_reading_prefix_cache:
                     hits, local = self.connector.longest_hit(
                         self.gpu, req.block_keys(), 0, req.num_tokens - 1
                     )
+                    if self.connector.longest > local:
+                        req.junction = self.connector.longest
                 external, load = self.connector.match(req, local)
             start = req.num_computed_tokens + local + external
-            n = 0 if load else min(req.num_tokens - start, budget)
+            n = 0
+            if not load:
+                n = self.chunk(req, min(req.num_tokens - start, budget), local + external)
+                if n == 0:
+                    break
             if not self.allocate(req, n, hits, local, external, load):
                 break
             self.connector.after_alloc(req, tuple(list(ids) for ids in self.tables[rid]), external)
@@ -192,6 +210,19 @@ class ImplEngine:
             ranges[rid] = (start, start + n)
             budget -= n
         return ranges, loading, new + cached, preempted
+
+    def chunk(self, req: ImplRequest, n: int, hit: int) -> int:
+        """With a Mamba group, a prefill chunk split where states are cached."""
+        if not self.has_mamba:
+            return n
+        return mamba_chunk(
+            req.num_computed_tokens + hit,
+            n,
+            max(req.num_prompt, req.num_tokens - 1),
+            req.num_tokens,
+            self.config.scheduler_block_size,
+            req.junction,
+        )
 
     def preempt(self, rid: str) -> None:
         """Out of the running queue already: blocks freed, back to the waiting queue's front
@@ -221,14 +252,21 @@ class ImplEngine:
         skips = [0 if not first else self.skipped(g, computed) for g in range(len(self.sizes))]
         end = computed + n
         wanted = [-(-end // size) for size in self.sizes]
+        mamba = self.mamba
         need = sum(
-            max(0, w - max(k, len(ids) + len(h)))
-            for w, ids, h, k in zip(wanted, table, hits, skips, strict=True)
+            min(1, max(0, w - len(ids) - len(h))) if m else max(0, w - max(k, len(ids) + len(h)))
+            for w, ids, h, k, m in zip(wanted, table, hits, skips, mamba, strict=True)
         )
         ref = self.gpu.ref
         need += sum(
-            1 for h, k in zip(hits, skips, strict=True) for b in h[k:] if ref[b] == 0 and b != NULL
+            1
+            for h, k, m in zip(hits, skips, mamba, strict=True)
+            for b in (h if m else h[k:])
+            if ref[b] == 0 and b != NULL
         )
+        for g, h in enumerate(hits):
+            if mamba[g] and h and req.block_keys()[g][len(h) - 1] in self.cached_this_step:
+                return False  # its state is computed by this step's forward
         if need > self.gpu.num_free:
             return False
         if first:
@@ -244,7 +282,9 @@ class ImplEngine:
                     if reach <= self.config.skipped_tokens(g, reach):
                         continue  # the whole external range left the window or the chunk
                     ids.extend(self.gpu.allocate(max(0, -(-reach // size) - len(ids))))
-        for ids, w in zip(table, wanted, strict=True):
+        for ids, w, m in zip(table, wanted, mamba, strict=True):
+            if m and w > len(ids):
+                ids.extend([NULL] * (w - len(ids) - 1))  # up to the running state's block
             ids.extend(self.gpu.allocate(max(0, w - len(ids))))
         if not delay_cache:
             self.cache(req, min(end, req.num_tokens))
@@ -259,8 +299,11 @@ class ImplEngine:
         """Free the blocks that left the window or the chunk, nulls in their place."""
         for g, ids in enumerate(self.tables[rid]):
             freed: list[int] = []
+            gaps = self.mamba[g]  # a Mamba table has null gaps between its states
             for i in range(min(self.skipped(g, computed), len(ids)) - 1, -1, -1):
                 if ids[i] == NULL:
+                    if gaps:
+                        continue
                     break
                 freed.append(ids[i])
                 ids[i] = NULL
@@ -278,7 +321,13 @@ class ImplEngine:
             window = self.config.window(g)
             if full > done:
                 keys = req.block_keys()[g]
-                if window is None:
+                if self.mamba[g]:
+                    for i in range(done, full):
+                        if ids[i] != NULL:
+                            self.gpu.register_full([keys[i]], [ids[i]], (i + 1) * size, size)
+                            self.offers.append((rid, ids[i]))
+                            self.cached_this_step.add(keys[i])
+                elif window is None:
                     self.gpu.register_full(keys[done:full], ids[done:full], (done + 1) * size, size)
                 else:
                     align = self.config.scheduler_block_size
@@ -339,7 +388,16 @@ class ImplEngine:
             self.free_table(rid)
         return flush
 
+    def take_offers(self) -> list[tuple[str, int]]:
+        """Drain the step's boundary-state hand-offs, grouped by request in the order of
+        each one's first."""
+        offers, self.offers = self.offers, []
+        order = {rid: i for i, (rid, _) in reversed(list(enumerate(offers)))}
+        return sorted(offers, key=lambda offer: order[offer[0]])
+
     def free_table(self, rid: str) -> None:
+        if self.offers:  # its hand-offs not yet offered go: its blocks may be another's
+            self.offers = [offer for offer in self.offers if offer[0] != rid]
         for ids in self.tables.pop(rid, []):
             self.gpu.release([b for b in reversed(ids) if b != NULL])
         self.cached.pop(rid, None)

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Container, Iterable, Sequence
 from dataclasses import dataclass, replace
 
-from kvoffload.impl.connector import Connector, Copy, Scheduled, Tracker
+from kvoffload.impl.connector import Connector, Copy, Meta, Offer, Scheduled, Tracker
 from kvoffload.impl.engine import ImplRequest
 from kvoffload.impl.pool import NULL, Pool
 from kvoffload.impl.validation import Validation
@@ -140,9 +140,12 @@ class PinDroppedEarly(Connector):
         self.early: set[int] = set()
 
     def build_meta(
-        self, scheduled: list[Scheduled], preempted: Sequence[str] = ()
+        self,
+        scheduled: list[Scheduled],
+        preempted: Sequence[str] = (),
+        offers: Sequence[Offer] = (),
     ) -> ConnectorMetadata:
-        meta = super().build_meta(scheduled, preempted)
+        meta = super().build_meta(scheduled, preempted, offers)
         if meta.store_event != NO_EVENT:
             self.early.add(meta.store_event)
             self.gpu.release(self.stores[meta.store_event].gpu)
@@ -376,6 +379,28 @@ class ChunkUnalignedHits(Connector):
         return True
 
 
+class HandoffStoresCached(Connector):
+    """A boundary-state hand-off is stored even when the CPU already holds its key (a
+    state loaded from the CPU is cached, and handed off, again when its load completes):
+    a second CPU block for a key, taken from the pool's capacity."""
+
+    def store_states(
+        self,
+        offers: Sequence[Offer],
+        preempted: Sequence[str],
+        gpu: list[int],
+        cpu: list[int],
+        reqs: list[str],
+        meta: list[dict[str, Meta]] | None,
+    ) -> None:
+        index = self.cpu.index
+        self.cpu.index = {}  # the admission check sees no CPU key
+        try:
+            super().store_states(offers, preempted, gpu, cpu, reqs, meta)
+        finally:
+            self.cpu.index = index
+
+
 @dataclass(frozen=True)
 class Fault:
     """A named fault; ``breaks`` is the invariant of ``docs/spec.md`` it violates, or
@@ -413,6 +438,7 @@ FAULTS: dict[str, Fault] = {
         Fault("preempt-keeps-table", PreemptKeepsTable, "TABLE"),
         Fault("chunk-unaligned-hits", ChunkUnalignedHits, "LOAD-TARGET"),
         Fault("dcp-per-rank-blocks", DcpPerRankBlocks, "SKIP"),
+        Fault("handoff-stores-cached", HandoffStoresCached, "BOUNDARY"),
         Fault("stats-pending-skips-abandoned", StatsPendingSkipsAbandoned, "STATS"),
         Fault("stats-load-count-kept", StatsLoadCountKept, "STATS"),
         Fault("reset-reports-gpu-only", ResetReportsGpuOnly, "RESET"),

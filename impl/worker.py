@@ -172,17 +172,24 @@ class Worker:
         start: int,
         end: int,
     ) -> None:
-        """Write the KV of tokens ``[start, end)`` into the request's device blocks."""
-        seeds = self.seeds(request_id, tokens)[start:end]
+        """Write the KV of tokens ``[start, end)`` into the request's device blocks. A Mamba
+        group's state after ``end`` tokens goes into its running state's block alone, whose
+        bytes are those of the tokens from that block's start (so that a full state's bytes
+        are a function of its key, as a full attention block's)."""
+        all_seeds = self.seeds(request_id, tokens)
         bpt = self.layout.bytes_per_token
         for g, size in enumerate(self.config.group_block_sizes):
             tensor = self.gpu_blocks[g]
+            first = start
+            if self.config.is_mamba(g) and end > start:
+                first = (end - 1) // size * size
+            seeds = all_seeds[first:end]
             data = layer_bytes(seeds, g, self.layout.num_layers, bpt)
-            pos = start
+            pos = first
             while pos < end:
                 stop = min(end, (pos // size + 1) * size)
                 a, b = (pos % size) * bpt, (pos % size + stop - pos) * bpt
-                chunk = data[:, (pos - start) * bpt : (stop - start) * bpt]
+                chunk = data[:, (pos - first) * bpt : (stop - first) * bpt]
                 self._compute(tensor, table[g][pos // size], a, b, chunk)
                 pos = stop
 

@@ -141,3 +141,42 @@ def reachable(index: int, window: int, block_size: int, scheduler_block_size: in
     per_segment = scheduler_block_size // block_size
     run = window_run(window, block_size)
     return run >= per_segment or index % per_segment >= per_segment - run
+
+
+def mamba_chunk(
+    start: int,
+    num_new: int,
+    prefill_end: int,
+    num_tokens: int,
+    block_size: int,
+    junction: int,
+) -> int:
+    """How many of ``num_new`` tokens from ``start`` a prefill chunk of a model with an
+    align-mode Mamba group computes (vLLM's ``_mamba_block_aligned_split``, without
+    speculative decoding, prefill checkpoints or fine-grained hits): a state is written
+    where a chunk ends, so a chunk before the prompt's last ends on a block boundary; it
+    stops at the next boundary when it starts inside a block, at the last boundary before
+    the last token, and at the block-floored ``junction`` (a prefix another group caches
+    past the common hit) when it crosses it. Decode steps are not split.
+
+    pre: 0 <= start and 0 <= num_new and block_size > 0 and junction >= 0
+    post: 0 <= __return__ <= num_new
+    post: _chunk_ends_aligned(start, __return__, prefill_end, block_size)
+    """
+    if start >= prefill_end:
+        return num_new
+    end = start + num_new
+    if end < prefill_end:
+        end = end // block_size * block_size
+    stops = (
+        (start // block_size + 1) * block_size if start % block_size else 0,
+        max(0, (num_tokens - 1) // block_size * block_size),
+        start + (junction - start) // block_size * block_size if start < junction < end else 0,
+    )
+    end = min((s for s in stops if start < s < end), default=end)
+    return max(end - start, 0)
+
+
+def _chunk_ends_aligned(start: int, num: int, prefill_end: int, block_size: int) -> bool:
+    """An empty chunk, one that reaches the prefill's end, or one ending on a block boundary."""
+    return num == 0 or start + num >= prefill_end or (start + num) % block_size == 0

@@ -17,7 +17,11 @@ Invariants kept here (checked once, at construction):
   a chunk size;
 - ``dcp_world_size`` (decode context parallelism) is a positive int dividing ``world_size``
   and every group's block size, and above 1 only when every group is full attention (vLLM
-  0.34.0's coordinator asserts it of sliding-window and chunked local groups).
+  0.34.0's coordinator asserts it of sliding-window and chunked local groups);
+- ``mamba`` is empty or names, per group, whether it is a Mamba group in align mode (a bool);
+  a Mamba group has no window and no chunk, and its block size is the hash block size (a
+  larger one makes vLLM serve fine-grained hits, not modelled);
+- at least one group is full attention (vLLM's offload scheduler matches prefixes on one).
 """
 
 from __future__ import annotations
@@ -66,6 +70,11 @@ class OffloadConfig:
     block's tokens across the ranks, as vLLM's scheduler side counts them.
     ``kv_events``: the connector publishes kv-cache events of the CPU tier (vLLM's
     ``kv_events_config.enable_kv_cache_events``), drained by ``take_events()``.
+    ``mamba``: per group, whether it is a Mamba group in vLLM's align mode (``MambaSpec``
+    with ``mamba_cache_mode="align"``): a block holds the recurrent state after the tokens
+    up to its end, so a request needs only its running state's block (and the one before,
+    to copy from); the blocks of full states are cached, and handed to the connector as the
+    scheduler caches them (boundary hand-offs), since they leave the table at once.
     """
 
     gpu_blocks: int
@@ -78,6 +87,7 @@ class OffloadConfig:
     kv_events: bool = False
     attention_chunks: tuple[int | None, ...] = ()
     dcp_world_size: int = 1
+    mamba: tuple[bool, ...] = ()
     scheduler_block_size: int = field(init=False)
 
     def __post_init__(self) -> None:
@@ -102,6 +112,11 @@ class OffloadConfig:
         self._check_windows()
         object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
         self._check_chunks()
+        self._check_mamba()
+        if not any(self.full_attention(g) for g in range(self.num_groups)):
+            raise ConfigError(
+                "no full-attention group: the offload scheduler matches prefixes on one"
+            )
         self._check_dcp()
 
     def _check_per_group(self, name: str) -> tuple[int | None, ...]:
@@ -121,12 +136,7 @@ class OffloadConfig:
         return values
 
     def _check_windows(self) -> None:
-        windows = self._check_per_group("sliding_windows")
-        if windows and all(window is not None for window in windows):
-            raise ConfigError(
-                "sliding_windows leaves no full-attention group: the offload scheduler "
-                "matches prefixes on one"
-            )
+        self._check_per_group("sliding_windows")
 
     def _check_chunks(self) -> None:
         chunks = self._check_per_group("attention_chunks")
@@ -149,11 +159,30 @@ class OffloadConfig:
                     f"chunked local group {g}'s block size {size} is not the scheduler block "
                     f"size {self.scheduler_block_size}"
                 )
-        if all(self.window(g) is not None or chunk is not None for g, chunk in enumerate(chunks)):
+
+    def _check_mamba(self) -> None:
+        mamba = self.mamba
+        if not isinstance(mamba, tuple):
+            raise ConfigError(f"mamba must be a tuple, got {mamba!r}")
+        if mamba and len(mamba) != self.num_groups:
             raise ConfigError(
-                "attention_chunks leaves no full-attention group: the offload scheduler "
-                "matches prefixes on one"
+                f"mamba names {len(mamba)} groups, group_block_sizes {self.num_groups}"
             )
+        for g, flag in enumerate(mamba):
+            if not isinstance(flag, bool):
+                raise ConfigError(f"mamba[{g}] must be a bool, got {flag!r}")
+            if not flag:
+                continue
+            if self.window(g) is not None or self.chunk(g) is not None:
+                raise ConfigError(f"Mamba group {g} has a sliding window or an attention chunk")
+            size = self.group_block_sizes[g]
+            if size != self.hash_block_size:
+                # vLLM's partial_hash_hits_enabled: an align-mode Mamba group larger than the
+                # hash block turns on sub-block hits (copy-on-write tails), not modelled.
+                raise ConfigError(
+                    f"Mamba group {g}'s block size {size} is not the hash block size "
+                    f"{self.hash_block_size} (fine-grained hits are not modelled)"
+                )
 
     def _check_dcp(self) -> None:
         dcp = self.dcp_world_size
@@ -188,15 +217,23 @@ class OffloadConfig:
         """The attention chunk of ``group``, or None unless it is chunked local attention."""
         return self.attention_chunks[group] if self.attention_chunks else None
 
+    def is_mamba(self, group: int) -> bool:
+        """Whether ``group`` is a Mamba group (align mode)."""
+        return bool(self.mamba) and self.mamba[group]
+
     def full_attention(self, group: int) -> bool:
-        """Whether ``group`` is full attention: no window, no chunk."""
-        return self.window(group) is None and self.chunk(group) is None
+        """Whether ``group`` is full attention: no window, no chunk, not Mamba."""
+        return self.window(group) is None and self.chunk(group) is None and not self.is_mamba(group)
 
     def skipped_tokens(self, group: int, num_computed: int) -> int:
         """The leading tokens of ``group`` no token after ``num_computed`` attends to (vLLM's
         ``get_num_skipped_tokens``): none for full attention, those before the window for a
-        sliding window, those before the current chunk for chunked local attention."""
+        sliding window, those before the current chunk for chunked local attention, all but
+        the last for Mamba."""
         window, chunk = self.window(group), self.chunk(group)
+        if self.is_mamba(group):
+            # Only the state after the last computed token is needed.
+            return max(0, num_computed - 1)
         if window is not None:
             return window_skipped_tokens(num_computed, window)
         if chunk is not None:
@@ -212,6 +249,10 @@ class OffloadConfig:
         total = 0
         for g, size in enumerate(self.group_block_sizes):
             window, chunk = self.window(g), self.chunk(g)
+            if self.is_mamba(g):
+                # The running state's block and the one it is copied from.
+                total += min(2, -(-num_tokens // size))
+                continue
             if chunk is not None:
                 # The current chunk's blocks only: at most a whole chunk's.
                 total += -(-min(num_tokens, chunk) // size)
@@ -231,13 +272,15 @@ class OffloadConfig:
     @property
     def lazy_target_free(self) -> int:
         """GPU blocks the lazy scan covers per step, from the head of the free queue: twice
-        what one step's token budget can take in every full-attention group, and a window's
-        blocks and one more in every sliding-window group (vLLM's
+        what one step's token budget can take in every full-attention group, a window's
+        blocks and one more in every sliding-window group, two in a Mamba group (vLLM's
         ``_estimate_lazy_target_blocks``)."""
         total = 0
         for g, size in enumerate(self.group_block_sizes):
             window = self.window(g)
-            if window is None:
+            if self.is_mamba(g):
+                total += 2
+            elif window is None:
                 # Chunked local attention counts as full attention here: its spec is not a
                 # sliding window's.
                 total += -(-MAX_NUM_BATCHED_TOKENS // size)

@@ -21,7 +21,17 @@ with its whole block table (the shape of vLLM's newer model runner, 0.34.0's onl
 Against the models of vLLM before 0.24.0 (whose pool cannot take what follows a preemption,
 ``OffloadScheduler.preempts``) a running request that cannot grow waits instead.
 
-Not modelled: speculative decoding, Mamba, chunked local attention, encoder inputs.
+Mamba groups (align mode, no speculative blocks, no prefill checkpoints): a request's table
+holds the null block everywhere but at its running state's block and, until the next
+allocation, the block its state is copied from; an allocation that passes the table's end
+pads it with nulls and takes one block; the blocks before the last computed token's are
+freed (null gaps do not stop it). A state block that fills is cached as the step is
+scheduled, and handed to the connector in the step's output (vLLM's boundary-state
+hand-offs), since it leaves the table at the next allocation; a waiting request whose Mamba
+hit was cached in this very step waits (its state is computed by this step's forward).
+
+Not modelled: speculative decoding, Mamba's fine-grained hits and prefill checkpoints,
+encoder inputs.
 
 Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 
@@ -34,6 +44,7 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - WINDOW: in a sliding-window table the null block is a prefix, no longer than the blocks
   wholly before the window of the request's computed tokens; a full-attention table holds
   no null.
+- MAMBA: a Mamba table holds at most two blocks that are not null, one of them at its end.
 """
 
 from __future__ import annotations
@@ -43,11 +54,11 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from kvoffload.model.arith import reachable
+from kvoffload.model.arith import mamba_chunk, reachable
 from kvoffload.model.block_pool import Block
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.keys import block_keys, extend_digests, fine_key
-from kvoffload.model.lookup import find_longest_cache_hit
+from kvoffload.model.keys import BlockKey, block_keys, extend_digests, fine_key
+from kvoffload.model.lookup import find_hybrid_hit
 from kvoffload.model.offload import Disposition, OffloadScheduler, Transfer
 from kvoffload.model.types import StepResult
 
@@ -77,6 +88,9 @@ class Request:
     hash_block_size: int
     skip_reading_prefix_cache: bool = False
     output: list[int] = field(default_factory=list)
+    # Where a prefix some group caches past the common hit ends (vLLM's
+    # shared_prefix_boundary, a junction a Mamba model's prefill chunk stops at), or 0.
+    shared_prefix_boundary: int = 0
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
     digests: list[str] = field(default_factory=list)
@@ -101,12 +115,14 @@ class Request:
 class SchedulerOutput:
     """What ``build_connector_meta`` reads: new (and resumed) requests with their whole
     block table, running requests with the blocks added this step, tokens scheduled per
-    request, and the requests preempted this step."""
+    request, the requests preempted this step, and the step's boundary-state hand-offs (per
+    request, in the order offered: group, GPU block, tokens its key covers)."""
 
     new_reqs: tuple[tuple[str, tuple[list[int], ...]], ...]
     cached_reqs: tuple[tuple[str, tuple[list[int], ...]], ...]
     num_scheduled_tokens: dict[str, int]
     preempted_req_ids: frozenset[str] = frozenset()
+    boundary_offloads: tuple[tuple[str, tuple[tuple[int, int, int], ...]], ...] = ()
 
     def req_data(self) -> Iterator[tuple[str, tuple[list[int], ...]]]:
         yield from self.new_reqs
@@ -143,6 +159,11 @@ class Engine:
         self.finished_recving: set[str] = set()
         self.delayed_free: set[str] = set()
         self.finish_records: list[FinishRecord] = []
+        # Mamba: the step's boundary-state hand-offs (request, group, block, tokens), and
+        # the keys of the states cached in this step.
+        self.mamba_groups = frozenset(g for g in range(config.num_groups) if config.is_mamba(g))
+        self.boundary_offers: list[tuple[str, int, int, int]] = []
+        self.cached_this_step: set[BlockKey] = set()
 
     # -- requests ---------------------------------------------------------------------------
 
@@ -175,12 +196,17 @@ class Engine:
         loading: list[str] = []
         preempted: list[str] = []
         blocked = False  # a running request could not grow and preempted nobody
+        self.cached_this_step.clear()
 
         index = 0
         while index < len(self.running) and budget > 0:
             req_id = self.running[index]
             req = self.requests[req_id]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self.chunk(req, min(req.num_tokens - req.num_computed_tokens, budget), 0)
+            if num_new == 0:
+                # No block-aligned chunk fits the budget: passed over this step.
+                index += 1
+                continue
             before = [len(ids) for ids in self.blocks_of(req_id)]
             allocated = self._allocate_slots(req, num_new)
             if not allocated and not self.preemption:
@@ -221,16 +247,22 @@ class Engine:
                 # reading it. The connector is asked all the same, as vLLM's scheduler
                 # asks it (up to 0.32.0, nothing but the connector drops a CPU hit for such
                 # a request; bug S12 of docs/history.md).
+                req.shared_prefix_boundary = 0
                 if not req.skip_reading_prefix_cache:
-                    hit_blocks, local = find_longest_cache_hit(
+                    hit_blocks, local, longest = find_hybrid_hit(
                         self.gpu_pool, req.digests, 0, req.num_tokens - 1, self.config
                     )
+                    req.shared_prefix_boundary = longest if longest > local else 0
                 external, load_async = self.connector.get_num_new_matched_tokens(req, local)
-            num_new = (
-                0
-                if load_async
-                else min(req.num_tokens - req.num_computed_tokens - local - external, budget)
-            )
+            num_new = 0
+            if not load_async:
+                num_new = self.chunk(
+                    req,
+                    min(req.num_tokens - req.num_computed_tokens - local - external, budget),
+                    local + external,
+                )
+                if num_new == 0:
+                    break  # no block-aligned chunk fits the budget
             if not self._allocate_slots(req, num_new, hit_blocks, local, external, load_async):
                 break
             self.connector.update_state_after_alloc(
@@ -254,6 +286,7 @@ class Engine:
             tuple(cached_reqs),
             {req_id: end - start for req_id, (start, end) in scheduled.items()},
             frozenset(preempted),
+            self.take_boundary_offers(),
         )
         metadata = self.connector.build_connector_meta(output)
         # Computed tokens advance only after the connector has seen the step, so a block
@@ -269,6 +302,21 @@ class Engine:
                     finished.append(req_id)
         return StepResult(scheduled, tuple(loading), tuple(finished), metadata, tuple(preempted))
 
+    def chunk(self, req: Request, num_new: int, num_hit: int) -> int:
+        """The tokens of ``num_new`` the step computes for ``req`` (with ``num_hit`` tokens
+        hit before them): all of them, but with a Mamba group, a prefill chunk split where
+        states are cached (:func:`~kvoffload.model.arith.mamba_chunk`, at scheduler blocks)."""
+        if not self.mamba_groups:
+            return num_new
+        return mamba_chunk(
+            req.num_computed_tokens + num_hit,
+            num_new,
+            max(len(req.prompt), req.num_tokens - 1),
+            req.num_tokens,
+            self.config.scheduler_block_size,
+            req.shared_prefix_boundary,
+        )
+
     def reset_prefix_cache(self, reset_connector: bool) -> bool:
         """vLLM's ``Scheduler.reset_prefix_cache`` without preempting: the GPU pool's reset
         (refused while any block is in use), then the connector's, asked or not; the answer
@@ -281,6 +329,15 @@ class Engine:
             result = gpu and self.connector.serves_nothing()
         self.connector.prefix_reset_log.append(result)
         return result
+
+    def take_boundary_offers(self) -> tuple[tuple[str, tuple[tuple[int, int, int], ...]], ...]:
+        """Drain the step's boundary-state hand-offs, per request in the order of its first
+        (vLLM's ``take_boundary_state_offloads``)."""
+        offers: dict[str, list[tuple[int, int, int]]] = {}
+        for req_id, group, block_id, tokens in self.boundary_offers:
+            offers.setdefault(req_id, []).append((group, block_id, tokens))
+        self.boundary_offers.clear()
+        return tuple((req_id, tuple(entries)) for req_id, entries in offers.items())
 
     def _preempt(self, request_id: str) -> None:
         """vLLM's ``_preempt_request`` (the caller took it out of the running queue): its
@@ -322,11 +379,22 @@ class Engine:
             max(0, math.ceil((computed + num_new) / size) - max(skip, len(ids) + len(hit)))
             for size, ids, hit, skip in zip(sizes, current, hits, skipped, strict=True)
         ]
-        # Hit blocks that sit in the free queue leave it when touched.
+        for g in self.mamba_groups:
+            # One block at most: the running state's (vLLM's align-mode physical cap).
+            need[g] = min(
+                1,
+                max(0, math.ceil((computed + num_new) / sizes[g]) - len(current[g]) - len(hits[g])),
+            )
+            if hits[g] and self.hit_key(req, g, len(hits[g]) - 1) in self.cached_this_step:
+                # The hit's state is computed by this step's forward: not before the next
+                # step (vLLM's MambaManager reports the pool too small).
+                return False
+        # Hit blocks that sit in the free queue leave it when touched (a Mamba group counts
+        # the hit's state even where the external range passes it, as vLLM's does).
         evictable = sum(
             1
-            for hit, skip in zip(hits, skipped, strict=True)
-            for b in hit[skip:]
+            for g, (hit, skip) in enumerate(zip(hits, skipped, strict=True))
+            for b in (hit if g in self.mamba_groups else hit[skip:])
             if b.ref_cnt == 0 and not b.is_null
         )
         if sum(need) + evictable > self.gpu_pool.num_free_blocks:
@@ -356,6 +424,10 @@ class Engine:
         for g, size in enumerate(sizes):
             ids = self.req_to_blocks[req_id][g]
             n = max(0, math.ceil((computed + num_new) / size) - len(ids))
+            if g in self.mamba_groups and n:
+                # Nulls up to the running state's block, which is the one taken.
+                ids.extend([self.gpu_pool.null_block.block_id] * (n - 1))
+                n = 1
             ids.extend(b.block_id for b in self.gpu_pool.get_new_blocks(n))
         if not delay_cache:
             self.cache_blocks(req, min(computed + num_new, req.num_tokens))
@@ -376,6 +448,8 @@ class Engine:
         for g, ids in enumerate(self.req_to_blocks[request_id]):
             freed: list[int] = []
             for i in range(min(self.skipped_blocks(g, num_computed), len(ids)) - 1, -1, -1):
+                if ids[i] == null and g in self.mamba_groups:
+                    continue  # a Mamba table has null gaps between its states
                 if ids[i] == null:
                     break
                 freed.append(ids[i])
@@ -394,6 +468,8 @@ class Engine:
             if num_full > cached[g]:
                 for start, end in self.reachable_runs(g, cached[g], num_full):
                     self.cache_full_blocks(req, g, blocks, start, end)
+                if g in self.mamba_groups:
+                    self.offer_states(req, g, blocks, cached[g], num_full)
                 cached[g] = num_full
             if size == hbs or not self.config.full_attention(g):
                 continue
@@ -406,6 +482,23 @@ class Engine:
             index = boundary // size
             if index < len(blocks):
                 self.cache_prompt_tail(req, g, blocks[index], boundary)
+
+    def offer_states(
+        self, req: Request, group: int, blocks: list[Block], start: int, end: int
+    ) -> None:
+        """Hand the Mamba states just cached (positions ``start <= i < end`` that hold a
+        block) to the connector, and remember their keys for the step."""
+        size = self.config.group_block_sizes[group]
+        for i in range(start, end):
+            if blocks[i].is_null:
+                continue
+            self.boundary_offers.append((req.request_id, group, blocks[i].block_id, (i + 1) * size))
+            self.cached_this_step.add(self.hit_key(req, group, i))
+
+    def hit_key(self, req: Request, group: int, index: int) -> BlockKey:
+        """The key of ``req``'s position ``index`` in ``group``."""
+        size = self.config.group_block_sizes[group]
+        return block_keys(req.digests, group, size, self.config.hash_block_size)[index]
 
     def reachable_runs(self, group: int, start: int, end: int) -> list[tuple[int, int]]:
         """The runs of blocks ``start <= i < end`` of ``group`` that get keys: every block
@@ -472,8 +565,9 @@ class Engine:
                 FinishRecord(
                     request_id,
                     tuple(
-                        min(len(ids), aligned // size)
-                        for ids, size in zip(block_ids, sizes, strict=True)
+                        # A Mamba group's states are not scanned: they go by hand-offs.
+                        0 if g in self.mamba_groups else min(len(ids), aligned // size)
+                        for g, (ids, size) in enumerate(zip(block_ids, sizes, strict=True))
                     ),
                     tuple(dict(d) for d in self.connector.dispositions.get(request_id, [])),
                 )
@@ -493,6 +587,8 @@ class Engine:
         return flushed
 
     def _free_blocks(self, request_id: str) -> None:
+        # Its hand-offs not yet offered go: its blocks may go to another request now.
+        self.boundary_offers = [o for o in self.boundary_offers if o[0] != request_id]
         null = self.gpu_pool.null_block.block_id
         for ids in self.req_to_blocks.pop(request_id, []):
             # Tail blocks first, so that they are evicted first; the nulls a sliding window

@@ -48,6 +48,11 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - WINDOW: in a sliding-window group's table the null block is a prefix no longer than the
   blocks wholly before the window of the request's computed tokens; a full-attention table
   holds no null.
+- MAMBA: a Mamba group's table holds at most two blocks that are not null (the running
+  state's, at its end, and the one it is copied from until the next allocation).
+- BOUNDARY: a boundary-state hand-off is stored only for a live tracked request (not
+  finished, not preempted in the step), its block not null, keyed, not in flight, its key
+  not in the CPU map; it is dropped as its request's being gone only when it is.
 - RECOVER: a store scan passes over a null position as null only when the GPU pool caches no
   block under its key; otherwise it takes the cached block in its place.
 - POSITION: a block a store scan takes for a position of a request holds that position's key
@@ -73,7 +78,7 @@ from kvoffload.model.block_pool import BlockPool
 from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import InvariantViolation
 from kvoffload.model.keys import ROOT_DIGEST, block_keys, chain_digest
-from kvoffload.model.offload import Transfer
+from kvoffload.model.offload import Outcome, Transfer
 
 
 def _stores(state: Engine) -> list[Transfer]:
@@ -434,6 +439,8 @@ def window(state: Engine) -> Iterator[str]:
     for req_id, groups in state.req_to_blocks.items():
         computed = state.requests[req_id].num_computed_tokens
         for g, ids in enumerate(groups):
+            if g in state.mamba_groups:
+                continue  # MAMBA
             nulls = next((i for i, block_id in enumerate(ids) if block_id != null), len(ids))
             if null in ids[nulls:]:
                 yield f"{req_id} group {g} holds a null block after a real one: {ids}"
@@ -443,6 +450,30 @@ def window(state: Engine) -> Iterator[str]:
                     f"{req_id} group {g} has {nulls} null blocks, but only {limit} are wholly "
                     f"before the window of its {computed} computed tokens"
                 )
+
+
+def mamba(state: Engine) -> Iterator[str]:
+    null = state.gpu_pool.null_block.block_id
+    for req_id, groups in state.req_to_blocks.items():
+        for g in sorted(state.mamba_groups):
+            ids = groups[g]
+            held = [i for i, block_id in enumerate(ids) if block_id != null]
+            if len(held) > 2 or (ids and ids[-1] == null):
+                yield (
+                    f"{req_id}'s Mamba group {g} table {ids} holds more than its running state "
+                    "and the state it is copied from"
+                )
+
+
+def boundary(state: Engine) -> Iterator[str]:
+    for r in state.connector.boundary_log:
+        storable = r.live and not (
+            r.is_null or r.key is None or r.was_in_flight or r.was_in_cpu_map
+        )
+        if r.outcome is Outcome.STORED and not storable:
+            yield f"a hand-off of {r.request_id} was stored against the rules: {r}"
+        if r.outcome is Outcome.DROPPED_REQUEST_GONE and r.live:
+            yield f"a hand-off of {r.request_id} (gpu block {r.gpu_block_id}) was dropped, live"
 
 
 def recover(state: Engine) -> Iterator[str]:
@@ -546,6 +577,8 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "LAZY-SCAN": lazy_scan,
     "LAZY-EVICT-FIRST": lazy_evict_first,
     "WINDOW": window,
+    "MAMBA": mamba,
+    "BOUNDARY": boundary,
     "RECOVER": recover,
     "POSITION": position,
     "TABLE": table,
@@ -605,6 +638,10 @@ def exercised(state: Engine) -> set[str]:
             for groups in state.req_to_blocks.values()
             for ids in groups
         ),
+        "MAMBA": any(
+            groups[g] for groups in state.req_to_blocks.values() for g in state.mamba_groups
+        ),
+        "BOUNDARY": bool(c.boundary_log),
         "RECOVER": bool(c.null_log),
         "POSITION": any(s.picks for s in c.selection_log),
         "TABLE": any(

@@ -11,7 +11,10 @@ kind finds its own hit below a candidate length:
   of the lookup is a hit however short;
 - a chunked local attention group takes the null block for every block before the chunk
   the candidate's end falls in, and scans that chunk's blocks from its start, stopping at the
-  first miss: the hit is the nulls and that run.
+  first miss: the hit is the nulls and that run;
+- a Mamba group scans from the candidate's end towards the start and stops at the first
+  cached block (the state after the tokens up to its end): the hit is the nulls before it
+  and that block.
 
 The candidate starts at ``max_length`` and every group may lower it; the groups are asked
 again until no group lowers it (once only with one full-attention and one other group, as
@@ -20,7 +23,8 @@ vLLM's ``is_simple_hybrid``). Full-attention groups keep the blocks that cover t
 Invariants: the hit is a multiple of the scheduler block size and at most ``max_length``;
 each returned non-null block is registered under the key of its position; a sliding-window
 group's blocks are nulls followed by a run of cached blocks that ends at the hit; a chunked
-local group's blocks are the nulls of whole chunks followed by cached blocks.
+local group's blocks are the nulls of whole chunks followed by cached blocks; a Mamba group's
+are nulls followed by one cached block.
 """
 
 from __future__ import annotations
@@ -129,6 +133,26 @@ def _chunked_local_hit(
     return blocks, len(blocks[0]) * block_size
 
 
+def _mamba_hit(
+    pool: BlockPool,
+    keys: list[list[BlockKey]],
+    block_size: int,
+    max_length: int,
+    alignment: int,
+    skip: Container[int],
+) -> tuple[list[list[Block]], int]:
+    """vLLM's ``MambaManager.find_longest_cache_hit`` in align mode without fine-grained
+    hits: the last cached state at or below ``max_length`` that ends on an aligned
+    boundary."""
+    for i in range(min(max_length // block_size, len(keys[0])) - 1, -1, -1):
+        if (i + 1) * block_size % alignment:
+            continue
+        found = _cached(pool, keys, i, skip)
+        if found is not None:
+            return [[pool.null_block] * i + [block] for block in found], (i + 1) * block_size
+    return [[] for _ in keys], 0
+
+
 def find_longest_cache_hit(
     pool: BlockPool,
     digests: Sequence[str],
@@ -139,26 +163,43 @@ def find_longest_cache_hit(
 ) -> tuple[tuple[list[Block], ...], int]:
     """The blocks of the longest hit after ``num_computed_tokens``, and its length; the
     blocks in ``skip`` are passed over as if they were not cached."""
+    blocks, hit, _ = find_hybrid_hit(pool, digests, num_computed_tokens, max_length, config, skip)
+    return blocks, hit
+
+
+def find_hybrid_hit(
+    pool: BlockPool,
+    digests: Sequence[str],
+    num_computed_tokens: int,
+    max_length: int,
+    config: OffloadConfig,
+    skip: Container[int] = (),
+) -> tuple[tuple[list[Block], ...], int, int]:
+    """:func:`find_longest_cache_hit`, and the longest hit any one kind found on the way
+    (vLLM's ``longest_hit_length``: a prefix some group caches past the common hit)."""
     sizes = config.group_block_sizes
     alignment = config.scheduler_block_size
-    # Spec groups: (window, chunk, block size) -> group ids, full attention first.
-    specs: dict[tuple[int | None, int | None, int], list[int]] = {}
+    # Spec groups: (window, chunk, Mamba, block size) -> group ids, full attention first.
+    specs: dict[tuple[int | None, int | None, bool, int], list[int]] = {}
     for g, size in enumerate(sizes):
-        specs.setdefault((config.window(g), config.chunk(g), size), []).append(g)
-    order = sorted(specs, key=lambda spec: spec[0] is not None or spec[1] is not None)
+        specs.setdefault((config.window(g), config.chunk(g), config.is_mamba(g), size), []).append(
+            g
+        )
+    order = sorted(specs, key=lambda spec: spec[0] is not None or spec[1] is not None or spec[2])
     keys = {
         g: block_keys(digests, g, size, config.hash_block_size)[num_computed_tokens // size :]
         for g, size in enumerate(sizes)
     }
     result: dict[int, list[Block]] = {g: [] for g in range(len(sizes))}
-    full_hits: dict[tuple[int | None, int | None, int], int] = {}
-    simple = len(order) == 2 and order[0][0] is None and order[0][1] is None
+    full_hits: dict[tuple[int | None, int | None, bool, int], int] = {}
+    simple = len(order) == 2 and order[0][:3] == (None, None, False)
     hit = max(max_length, 0)
+    longest = 0
     while True:
         candidate = hit
         for spec in order:
-            window, chunk, size = spec
-            full = window is None and chunk is None
+            window, chunk, mamba, size = spec
+            full = window is None and chunk is None and not mamba
             if full and spec in full_hits:
                 # Full attention is downward-closed: one lookup, trimmed later.
                 candidate = min(candidate, full_hits[spec])
@@ -169,6 +210,8 @@ def find_longest_cache_hit(
                     pool, group_keys, size, candidate, alignment, skip
                 )
                 full_hits[spec] = candidate
+            elif mamba:
+                found, candidate = _mamba_hit(pool, group_keys, size, candidate, alignment, skip)
             elif chunk is not None:
                 found, candidate = _chunked_local_hit(
                     pool, group_keys, size, chunk, candidate, skip
@@ -180,6 +223,7 @@ def find_longest_cache_hit(
                 )
             for g, blocks in zip(specs[spec], found, strict=True):
                 result[g] = blocks
+            longest = max(longest, candidate)
         if candidate >= hit:
             break
         hit = candidate
@@ -188,4 +232,4 @@ def find_longest_cache_hit(
     for g, size in enumerate(sizes):
         if config.full_attention(g):
             result[g] = result[g][: -(-hit // size)]
-    return tuple(result[g] for g in range(len(sizes))), hit
+    return tuple(result[g] for g in range(len(sizes))), hit, longest

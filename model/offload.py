@@ -190,6 +190,43 @@ class NullRecord:
     recovered: int | None
 
 
+class Outcome(StrEnum):
+    """What became of one boundary-state hand-off (vLLM's ``SAVE_OUTCOMES`` labels)."""
+
+    STORED = "stored"
+    DROPPED_CPU_FULL = "dropped_cpu_full"
+    DROPPED_REQUEST_GONE = "dropped_request_gone"
+    DROPPED_NULL_BLOCK = "dropped_null_block"
+    DROPPED_NOT_HASHED = "dropped_not_hashed"
+    SKIPPED_ALREADY_CACHED = "skipped_already_cached"
+    SKIPPED_IN_FLIGHT = "skipped_in_flight"
+
+
+# Why the eager scan would pass over a block, as a hand-off's outcome.
+_OUTCOME_OF = {
+    Disposition.NULL: Outcome.DROPPED_NULL_BLOCK,
+    Disposition.UNHASHED: Outcome.DROPPED_NOT_HASHED,
+    Disposition.IN_FLIGHT: Outcome.SKIPPED_IN_FLIGHT,
+    Disposition.PRESENT: Outcome.SKIPPED_ALREADY_CACHED,
+}
+
+
+@dataclass(frozen=True)
+class BoundaryRecord:
+    """A boundary-state hand-off, its outcome, and the facts observed when it was decided:
+    whether its request was tracked and live, the block's key, whether it was in flight, and
+    whether the CPU map held its key."""
+
+    request_id: str
+    gpu_block_id: int
+    outcome: Outcome
+    live: bool
+    is_null: bool
+    key: BlockKey | None
+    was_in_flight: bool
+    was_in_cpu_map: bool
+
+
 @dataclass(frozen=True)
 class StoredRecord:
     """A ``stored`` event as it was published, and whether the CPU map held its key then."""
@@ -258,6 +295,9 @@ class OffloadScheduler:
         self.failed_store_events: set[int] = set()
         # GPU blocks of the sent loads completed since the stats were last drained.
         self.loaded_blocks_since_drain = 0
+        # Boundary-state hand-offs per outcome since the stats were last drained (a reset
+        # keeps them for the next report, as vLLM's carries them over).
+        self.save_outcomes: dict[Outcome, int] = {}
 
         # Ghost state for the invariants.
         self.dispositions: dict[str, list[dict[int, Disposition]]] = {}
@@ -275,6 +315,7 @@ class OffloadScheduler:
         self.lazy_return_log: list[LazyReturnRecord] = []
         self.null_log: list[NullRecord] = []
         self.stored_log: list[StoredRecord] = []
+        self.boundary_log: list[BoundaryRecord] = []
 
     # -- lookup and load ------------------------------------------------------------------
 
@@ -461,6 +502,11 @@ class OffloadScheduler:
         merged_cpu: list[int] = []
         merged_meta: list[dict[BlockKey, StoreMeta]] | None = [] if self.config.kv_events else None
         req_ids: list[str] = []
+        for req_id, entries in scheduler_output.boundary_offloads:
+            if self._store_boundary_states(
+                req_id, entries, scheduler_output, merged_gpu, merged_cpu, merged_meta
+            ):
+                req_ids.append(req_id)
         # vLLM 0.32.0 (bug S20 of docs/history.md): preemption freed the request's blocks; its
         # table and cursors start over, whatever shape its resumption comes in (up to 0.31.0
         # only a resumption flagged as such, which vLLM's newer model runner never sends).
@@ -490,7 +536,63 @@ class OffloadScheduler:
                 self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in gpu_ids])
             for g, n in enumerate(advanced):
                 state.num_stored_blocks[g] += n
-        return merged_gpu, merged_cpu, req_ids, merged_meta
+        # A request with both a hand-off and a scan in the event is named once.
+        return merged_gpu, merged_cpu, list(dict.fromkeys(req_ids)), merged_meta
+
+    def _store_boundary_states(
+        self,
+        req_id: str,
+        entries: tuple[tuple[int, int, int], ...],
+        scheduler_output: SchedulerOutput,
+        merged_gpu: list[int],
+        merged_cpu: list[int],
+        merged_meta: list[dict[BlockKey, StoreMeta]] | None,
+    ) -> bool:
+        """Store a request's boundary-state hand-offs (Mamba states the scheduler cached
+        this step, which leave the table at once), each under the key its block holds, while
+        the CPU pool has room; whether any was stored. A request finished, preempted or not
+        tracked gives up its blocks, which may be another's now: none is read (vLLM 0.30.0,
+        PR #54736)."""
+        state = self.reqs_to_store.get(req_id)
+        live = not (state is None or state.finished or req_id in scheduler_output.preempted_req_ids)
+        stored = False
+        for _, gpu_id, _ in entries:
+            block = self.gpu_pool.blocks[gpu_id]
+            reason = self._classify(block)
+            if not live:
+                outcome = Outcome.DROPPED_REQUEST_GONE
+            elif reason is not None:
+                outcome = _OUTCOME_OF[reason]
+            elif self.cpu_pool.num_free_blocks <= 0:
+                outcome = Outcome.DROPPED_CPU_FULL
+            else:
+                outcome = Outcome.STORED
+            self.boundary_log.append(
+                BoundaryRecord(
+                    req_id,
+                    gpu_id,
+                    outcome,
+                    live,
+                    block.is_null,
+                    block.block_hash,
+                    gpu_id in self.in_flight_store_gpu_blocks,
+                    block.block_hash is not None and block.block_hash in self.cpu_pool.cached,
+                )
+            )
+            self.save_outcomes[outcome] = self.save_outcomes.get(outcome, 0) + 1
+            if outcome is not Outcome.STORED:
+                continue
+            (cpu_block,) = self.allocate_store_destinations([gpu_id])
+            merged_gpu.append(gpu_id)
+            merged_cpu.append(cpu_block.block_id)
+            if merged_meta is not None:
+                # Its keys are the block's own, resolved at completion: nothing is captured
+                # (an event without tokens, as vLLM's).
+                merged_meta.append({})
+            self.in_flight_store_gpu_blocks.add(gpu_id)
+            self.gpu_pool.touch([block])
+            stored = True
+        return stored
 
     def forget_table(self, req_id: str) -> None:
         """A preempted request's store state: no table, every cursor at 0."""
@@ -583,6 +685,10 @@ class OffloadScheduler:
                     self.ready_count(request.num_computed_tokens, size, len(ids)),
                 )
             ]
+            # A Mamba table is not scanned: its states leave it at once, and go by hand-offs
+            # (vLLM's has_positionally_stable_blocks).
+            if not self.config.is_mamba(g)
+            else []
             for g, (ids, size) in enumerate(zip(block_ids, self.group_block_sizes, strict=True))
         ]
         candidates = [self.scannable(group) for group in candidates]
@@ -954,8 +1060,10 @@ class OffloadScheduler:
             pending_store_blocks=sum(len(t.cpu_block_ids) for t in pending),
             capacity_blocks=self.config.cpu_blocks,
             lazy=self.config.lazy,
+            save_outcomes=tuple(sorted((str(o), n) for o, n in self.save_outcomes.items())),
         )
         self.loaded_blocks_since_drain = 0
+        self.save_outcomes = {}
         self.stats_log.append(StatsRecord(report, tuple(self.completed_loads)))
         self.completed_loads = []
         return report
@@ -1008,5 +1116,6 @@ class OffloadScheduler:
         self.lazy_return_log.clear()
         self.null_log.clear()
         self.stored_log.clear()
+        self.boundary_log.clear()
         self.cpu_pool.allocation_log.clear()
         self.gpu_pool.allocation_log.clear()

@@ -105,8 +105,9 @@ class OffloadStats:
     counts nothing); ``used_blocks``: CPU blocks in use, the pool's size less its free
     blocks (the null block is always in use); ``pending_store_blocks``: CPU blocks of the
     stores in flight, queued as final flushes or abandoned by a reset; ``capacity_blocks``
-    and ``lazy``: the configuration the report describes. Boundary stores, whose outcomes
-    vLLM also counts, are not modelled: none is reported.
+    and ``lazy``: the configuration the report describes; ``save_outcomes``: per outcome
+    (vLLM's ``SAVE_OUTCOMES`` label: stored, skipped or dropped and why), the boundary-state
+    hand-offs decided since the previous drain, those with none left out, by label.
     """
 
     load_blocks: int
@@ -114,3 +115,4 @@ class OffloadStats:
     pending_store_blocks: int
     capacity_blocks: int
     lazy: bool
+    save_outcomes: tuple[tuple[str, int], ...] = ()

@@ -62,6 +62,7 @@ CONFIG_FIELDS = (
     "kv_events",
     "attention_chunks",
     "dcp_world_size",
+    "mamba",
 )
 # Fields a failure file may leave out (written before they existed), with their value then.
 CONFIG_DEFAULTS: dict[str, Any] = {
@@ -70,6 +71,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
     "kv_events": False,
     "attention_chunks": [],
     "dcp_world_size": 1,
+    "mamba": [],
 }
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
@@ -305,6 +307,12 @@ def _check_config(config: object) -> OffloadConfig:
                 isinstance(per_group, list) and all(w is None or _is_int(w) for w in per_group),
                 f"config {name} must be a list of ints or nulls, got {per_group!r}",
             )
+        elif name == "mamba":
+            flags = config[name]
+            _expect(
+                isinstance(flags, list) and all(isinstance(f, bool) for f in flags),
+                f"config mamba must be a list of bools, got {flags!r}",
+            )
         elif name != "group_block_sizes":
             _expect(_is_int(config[name]), f"config {name} must be an int, got {config[name]!r}")
     try:
@@ -319,6 +327,7 @@ def _check_config(config: object) -> OffloadConfig:
             config["kv_events"],
             tuple(config["attention_chunks"]),
             config["dcp_world_size"],
+            tuple(config["mamba"]),
         )
     except ConfigError as error:
         raise FailureFileError(f"config is not valid: {error}") from None

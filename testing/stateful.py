@@ -50,19 +50,25 @@ from kvoffload.testing.lockstep import Call, as_outcome, compare, outcome
 # token. The last two have a chunked local group (Llama 4's layout) with chunks of two
 # scheduler blocks: a GPU hit of one block ends inside a chunk, where a CPU hit must not
 # follow (S24's class); with hash blocks of 2 the full-attention group's blocks are half
-# the chunked group's. The model's own test (tests/test_model_stateful.py) also draws longer
-# runs, three groups and longer chunks.
-Layout = tuple[tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...]]
+# the chunked group's. The last two have a Mamba group (align mode) beside full attention:
+# its states at every scheduler block, or, beside full-attention blocks of 8, at every other
+# of its blocks (a state that ends off the scheduler's alignment is no hit). The model's own
+# test (tests/test_model_stateful.py) also draws longer runs, three groups and longer chunks.
+Layout = tuple[
+    tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...], tuple[bool, ...]
+]
 LAYOUTS: list[Layout] = [
-    ((4,), 4, (), ()),
-    ((4,), 2, (), ()),
-    ((8,), 4, (), ()),
-    ((4, 8), 4, (), ()),
-    ((4, 4), 4, (None, 3), ()),
-    ((8, 4), 4, (None, 3), ()),
-    ((4, 2), 2, (None, 3), ()),
-    ((4, 4), 4, (), (None, 8)),
-    ((2, 4), 2, (), (None, 8)),
+    ((4,), 4, (), (), ()),
+    ((4,), 2, (), (), ()),
+    ((8,), 4, (), (), ()),
+    ((4, 8), 4, (), (), ()),
+    ((4, 4), 4, (None, 3), (), ()),
+    ((8, 4), 4, (None, 3), (), ()),
+    ((4, 2), 2, (None, 3), (), ()),
+    ((4, 4), 4, (), (None, 8), ()),
+    ((2, 4), 2, (), (None, 8), ()),
+    ((4, 4), 4, (), (), (False, True)),
+    ((8, 4), 4, (), (), (False, True)),
 ]
 
 
@@ -202,8 +208,8 @@ class ConformanceMachine(RuleBasedStateMachine):
         dcp: int,
     ) -> None:
         started = time.perf_counter()
-        groups, hbs, windows, chunks = layout
-        if windows or chunks:
+        groups, hbs, windows, chunks, mamba = layout
+        if windows or chunks or mamba:
             # Two groups hold a block each per position: twice the blocks, so that prompts
             # long enough to slide past the window still run alone in one chunk. vLLM's
             # coordinator allows decode context parallelism for full attention only.
@@ -222,6 +228,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             kv_events=kv_events,
             attention_chunks=chunks,
             dcp_world_size=dcp,
+            mamba=mamba,
         )
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
         assume(unsupported(type(self).adapter_name, self.config) is None)
@@ -239,7 +246,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             ) from error
         self.program: list[Call] = []
         self.started = started
-        self.layout_kind = "hybrid" if windows or chunks else "full attention"
+        self.layout_kind = "hybrid" if windows or chunks or mamba else "full attention"
         self.next_id = 0
         self.prompts: list[list[int]] = []
         self.rule_steps = 0

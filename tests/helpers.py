@@ -15,6 +15,7 @@ def config(
     sliding_windows: tuple[int | None, ...] = (),
     attention_chunks: tuple[int | None, ...] = (),
     dcp_world_size: int = 1,
+    mamba: tuple[bool, ...] = (),
 ) -> OffloadConfig:
     """A configuration; the hash block size defaults to the smallest group block size."""
     return OffloadConfig(
@@ -27,6 +28,7 @@ def config(
         sliding_windows,
         attention_chunks=attention_chunks,
         dcp_world_size=dcp_world_size,
+        mamba=mamba,
     )
 
 

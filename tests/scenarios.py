@@ -367,6 +367,31 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
     # tokens, inside the first chunk, and no CPU hit may follow. Up to 0.32.0 one does, and
     # its load writes the chunked group's block into the null block the table holds for the
     # chunk already left.
+    # A Mamba group (align mode) beside full attention: a prompt of 12 tokens computed in
+    # chunks of 8 and 4 hands off its states at 8 and 12, which are stored; the GPU's prefix
+    # cache reset, the prompt with one more token loads 12 tokens from the CPU (the Mamba
+    # state at 12, nulls before it). When the load completes, the loaded state is cached
+    # and handed off again, and skipped: the CPU holds its key.
+    "mamba-state-handoff-and-load": (
+        cfg(12, 12, (4, 4), 4, mamba=(False, True)),
+        [
+            ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 1),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+            ("step", 0),  # sends the final flush
+            ("drain",),
+            ("stats",),
+            ("reset_prefix_cache", False),
+            ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 1], 1),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+            ("stats",),
+        ],
+    ),
     "chunk-hit-after-unaligned-prefix": (
         cfg(10, 12, (4, 4), 4, attention_chunks=(None, 8)),
         [

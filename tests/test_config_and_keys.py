@@ -50,6 +50,27 @@ def test_scheduler_block_size_is_the_lcm_of_group_sizes() -> None:
             },
             "both a sliding window and an attention chunk",
         ),
+        ({"mamba": [True]}, "mamba must be a tuple"),
+        ({"mamba": (False, True)}, "names 2 groups, group_block_sizes 1"),
+        ({"mamba": (1,)}, r"mamba\[0\] must be a bool"),
+        ({"mamba": (True,)}, "no full-attention group"),
+        (
+            {"group_block_sizes": (16, 16), "sliding_windows": (None, 8), "mamba": (False, True)},
+            "Mamba group 1 has a sliding window",
+        ),
+        (
+            {"group_block_sizes": (8, 16), "hash_block_size": 8, "mamba": (False, True)},
+            "fine-grained hits are not modelled",
+        ),
+        (
+            {
+                "group_block_sizes": (16, 16),
+                "mamba": (False, True),
+                "dcp_world_size": 2,
+                "world_size": 2,
+            },
+            "which is not full attention",
+        ),
         ({"dcp_world_size": 0}, "dcp_world_size must be > 0"),
         ({"dcp_world_size": 2}, "does not divide world_size 1"),
         ({"dcp_world_size": 3, "world_size": 3}, "does not divide group 0's block size 16"),

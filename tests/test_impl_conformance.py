@@ -39,6 +39,7 @@ FAULT_SCENARIO = {
     "preempt-keeps-table": "preempt-and-resume",
     "chunk-unaligned-hits": "chunk-hit-after-unaligned-prefix",
     "dcp-per-rank-blocks": "dcp-scan-reaches-confirmed-only",
+    "handoff-stores-cached": "mamba-state-handoff-and-load",
     "stats-pending-skips-abandoned": "stats-across-reset",
     "stats-load-count-kept": "stats-count-a-load-once",
     "reset-reports-gpu-only": "prefix-reset-keeps-cpu",

@@ -15,11 +15,13 @@ from kvoffload.model.block_pool import FreshRecord
 from kvoffload.model.engine import FinishRecord
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.offload import (
+    BoundaryRecord,
     CompletionRecord,
     LazyReturnRecord,
     LazyScanRecord,
     LoadState,
     NullRecord,
+    Outcome,
     PickRecord,
     ResetRecord,
     SelectionRecord,
@@ -172,6 +174,16 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     # a load of c that writes a CPU block into the GPU's null block (S24's load)
     "LOAD-TARGET": lambda m: m.engine.connector.reqs_to_load.__setitem__(
         "c", LoadState("c", Transfer([0], [1]))
+    ),
+    # c's full-attention table read as a Mamba group's: more states than it keeps
+    "MAMBA": lambda m: setattr(m.engine, "mamba_groups", frozenset({0})),
+    # a hand-off stored though its key was in the CPU map, and one of a live request
+    # dropped as gone
+    "BOUNDARY": lambda m: m.engine.connector.boundary_log.extend(
+        [
+            BoundaryRecord("c", 3, Outcome.STORED, True, False, ALIEN, False, True),
+            BoundaryRecord("c", 4, Outcome.DROPPED_REQUEST_GONE, True, False, ALIEN, False, False),
+        ]
     ),
     # a scan that passed over a null position whose key the GPU pool still caches
     "RECOVER": lambda m: m.engine.connector.null_log.append(

@@ -49,3 +49,41 @@ def test_a_chunked_group_takes_nulls_before_the_chunk_the_candidate_ends_in(
     assert [b.is_null for b in blocks[1]] == [True] * nulls + [False] * (hit // 4 - nulls)
     # full attention is trimmed to the common hit
     assert len(blocks[0]) == hit // 4 and not any(b.is_null for b in blocks[0])
+
+
+# Full attention and a Mamba group (align mode), blocks of 4 tokens; and with full-attention
+# blocks of 8 (the scheduler block), where a Mamba state is a hit only at a multiple of 8.
+MAMBA = OffloadConfig(16, 16, (4, 4), 4, mamba=(False, True))
+MAMBA_8 = OffloadConfig(16, 16, (8, 4), 4, mamba=(False, True))
+
+
+@pytest.mark.parametrize(
+    ("config", "full", "states", "max_length", "hit"),
+    [
+        # the last cached state at or below the candidate: 12, its block after 2 nulls
+        (MAMBA, range(5), range(0, 3), 19, 12),
+        # a state past the full-attention hit is no hit; the one below it is
+        (MAMBA, range(2), range(0, 4), 19, 8),
+        # no state at all: no hit, whatever full attention holds
+        (MAMBA, range(5), range(0), 19, 0),
+        # a state in the middle, none at the end: the hit stops at it
+        (MAMBA, range(5), range(1, 2), 19, 8),
+        # scheduler blocks of 8: the state at 12 ends off the alignment, 8's is the hit
+        (MAMBA_8, range(2), range(1, 3), 19, 8),
+    ],
+)
+def test_a_mamba_group_takes_the_last_cached_state_after_nulls(
+    config: OffloadConfig, full: range, states: range, max_length: int, hit: int
+) -> None:
+    pool = BlockPool(32, "cpu")
+    digests = prefix_digests(TOKENS, 4)
+    for group, where in ((0, full), (1, states)):
+        size = config.group_block_sizes[group]
+        keys = block_keys(digests, group, size, 4)
+        for i in where:
+            pool.insert_block_hash(keys[i], pool.get_new_blocks(1)[0], keys[i].num_tokens)
+    blocks, length = find_longest_cache_hit(pool, digests, 0, max_length, config)
+    assert length == hit
+    # the Mamba group: nulls, then the one state block that ends the hit
+    assert [b.is_null for b in blocks[1]] == ([True] * (hit // 4 - 1) + [False] if hit else [])
+    assert len(blocks[0]) == hit // config.group_block_sizes[0]

@@ -15,20 +15,28 @@ from hypothesis.stateful import (
 
 from kvoffload.model import OffloadConfig, OffloadModel
 
-# (group block sizes, hash block size, sliding windows, attention chunks); then hybrid: a
-# sliding-window group beside a full-attention one, its window's run shorter than, equal to
-# or longer than a scheduler block; a chunked local group beside full attention; all three.
-LAYOUTS: list[tuple[tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...]]] = [
-    ((4,), 4, (), ()),
-    ((4,), 2, (), ()),
-    ((8,), 4, (), ()),
-    ((4, 8), 4, (), ()),
-    ((4, 8), 2, (), ()),
-    ((8, 4), 4, (None, 3), ()),
-    ((4, 4), 4, (None, 6), ()),
-    ((4, 8, 4), 4, (None, 9, 7), ()),
-    ((4, 4), 4, (), (None, 8)),
-    ((2, 4, 4), 2, (None, 5, None), (None, None, 12)),
+# (group block sizes, hash block size, sliding windows, attention chunks, Mamba groups); then
+# hybrid: a sliding-window group beside a full-attention one, its window's run shorter than,
+# equal to or longer than a scheduler block; a chunked local group beside full attention;
+# all three; a Mamba group beside full attention (and beside a sliding window), its states
+# at every scheduler block or every other.
+Layout = tuple[
+    tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...], tuple[bool, ...]
+]
+LAYOUTS: list[Layout] = [
+    ((4,), 4, (), (), ()),
+    ((4,), 2, (), (), ()),
+    ((8,), 4, (), (), ()),
+    ((4, 8), 4, (), (), ()),
+    ((4, 8), 2, (), (), ()),
+    ((8, 4), 4, (None, 3), (), ()),
+    ((4, 4), 4, (None, 6), (), ()),
+    ((4, 8, 4), 4, (None, 9, 7), (), ()),
+    ((4, 4), 4, (), (None, 8), ()),
+    ((2, 4, 4), 2, (None, 5, None), (None, None, 12), ()),
+    ((4, 4), 4, (), (), (False, True)),
+    ((8, 4), 4, (), (), (False, True)),
+    ((4, 4, 4), 4, (None, 5, None), (), (False, False, True)),
 ]
 
 # Three shared stems, so prefixes repeat across requests.
@@ -53,17 +61,17 @@ class ModelMachine(RuleBasedStateMachine):
     )
     def setup(
         self,
-        layout: tuple[tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...]],
+        layout: Layout,
         gpu_blocks: int,
         cpu_blocks: int,
         world_size: int,
         dcp: int,
         initial: list[list[int]],
     ) -> None:
-        groups, hbs, windows, chunks = layout
+        groups, hbs, windows, chunks, mamba = layout
         # Decode context parallelism where the layout allows it: full attention only, the
         # ranks a divisor of the world and of every block size.
-        if windows or chunks or world_size % dcp or any(size % dcp for size in groups):
+        if windows or chunks or mamba or world_size % dcp or any(size % dcp for size in groups):
             dcp = 1
         config = OffloadConfig(
             gpu_blocks,
@@ -73,6 +81,7 @@ class ModelMachine(RuleBasedStateMachine):
             world_size,
             sliding_windows=windows,
             attention_chunks=chunks,
+            mamba=mamba,
             dcp_world_size=dcp,
         )
         self.model = OffloadModel(config, check=True)

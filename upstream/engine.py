@@ -221,9 +221,30 @@ class VllmConnector:
                 finished_req_ids=set(self.finished_since_step),
                 free_encoder_mm_hashes=[],
                 preempted_req_ids=set(output.preempted_req_ids),
-                kv_connector_block_state=None,
+                kv_connector_block_state=self._block_state(output),
             )
         )
+
+    def _block_state(self, output: SchedulerOutput) -> Any:
+        """vLLM's ``KVConnectorBlockState`` of the step (0.30.0 on): the requests scheduled
+        or with a hand-off, and the boundary-state hand-offs; None where there is none to
+        give (as vLLM's scheduler gives none without a connector)."""
+        if not output.boundary_offloads:
+            return None
+        from vllm.v1.core.sched.output import KVConnectorBlockState
+
+        offers = {req_id: list(entries) for req_id, entries in output.boundary_offloads}
+        return KVConnectorBlockState(
+            **keywords(
+                KVConnectorBlockState,
+                req_ids={*output.num_scheduled_tokens, *offers},
+                resolve_block_ids=self._block_ids,
+                boundary_state_offloads=offers,
+            )
+        )
+
+    def _block_ids(self, req_id: str) -> tuple[list[int], ...]:
+        raise AssertionError(f"the offload scheduler resolved the block table of {req_id!r}")
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]

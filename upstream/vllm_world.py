@@ -94,6 +94,10 @@ def supported(config: OffloadConfig) -> str | None:
         # Up to 0.29.0 the CPU tier's BlockStored events had no tokens, no parent, the GPU's
         # medium and no secondary keys (S11, PR #54325): not modelled.
         return "kv-cache events are modelled from vLLM 0.30.0 on"
+    if config.mamba and (0, 0, 0) < version_numbers() < (0, 30, 0):
+        # Up to 0.29.0 the offload scheduler scanned an align-mode Mamba table positionally
+        # and took no boundary-state hand-off (S13, PR #54736): not modelled.
+        return "Mamba groups are modelled from vLLM 0.30.0 on"
     if config.lazy and (0, 0, 0) < version_numbers() < (0, 30, 0):
         # Up to 0.29.0 the lazy scan also stamped the CPU blocks it reserved (S10's bug in
         # lazy mode), and before it differed again: not modelled.
@@ -141,6 +145,7 @@ def build(config: OffloadConfig) -> World:
         KVCacheConfig,
         KVCacheGroupSpec,
         KVCacheTensor,
+        MambaSpec,
         SlidingWindowSpec,
     )
     from vllm.v1.simple_kv_offload.manager import SimpleCPUOffloadScheduler
@@ -164,7 +169,12 @@ def build(config: OffloadConfig) -> World:
             )
         ),
         cache_config=CacheConfig(
-            block_size=max(config.group_block_sizes), enable_prefix_caching=True
+            **keywords(
+                CacheConfig,
+                block_size=max(config.group_block_sizes),
+                enable_prefix_caching=True,
+                mamba_cache_mode="align" if config.mamba else "none",
+            )
         ),
         kv_transfer_config=KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector", kv_role="kv_both"
@@ -184,6 +194,18 @@ def build(config: OffloadConfig) -> World:
             "head_size": HEAD_SIZE,
             "dtype": torch.float16,
         }
+        if config.is_mamba(group):
+            # Align mode without speculative or prefill-checkpoint blocks: one state per
+            # block, at its end.
+            return MambaSpec(
+                **keywords(
+                    MambaSpec,
+                    block_size=size,
+                    shapes=((NUM_KV_HEADS, HEAD_SIZE),),
+                    dtypes=(torch.float16,),
+                    mamba_cache_mode="align",
+                )
+            )
         if (window := config.window(group)) is not None:
             return SlidingWindowSpec(**shape, sliding_window=window)
         if (chunk := config.chunk(group)) is not None:
