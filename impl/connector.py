@@ -10,7 +10,7 @@ index are hash lookups on key strings. Fault variants override single methods
 (``kvoffload.impl.faults``).
 
 Invariants kept (``docs/spec.md``): SKIP, CAPACITY, UNREACHABLE, REGISTERED, PENDING,
-IN-FLIGHT, RESET, EVENTS, LOAD-PINNED, NO-READ, LAZY-SCAN, LAZY-EVICT-FIRST.
+IN-FLIGHT, RESET, EVENTS, LOAD-PINNED, NO-READ, LAZY-SCAN, LAZY-EVICT-FIRST, BOUNDARY.
 """
 
 from __future__ import annotations

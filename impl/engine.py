@@ -4,7 +4,7 @@ Same semantics as the model's engine (``docs/spec.md``), with incremental per-re
 lists instead of recomputation, block ids and key strings (:mod:`kvoffload.impl.pool`)
 instead of objects, and KV writes delegated to the workers.
 
-Invariants kept: REF-GPU, REF-CPU, KEYS.
+Invariants kept: REF-GPU, REF-CPU, KEYS, MAMBA.
 """
 
 from __future__ import annotations

@@ -67,6 +67,9 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - EVENT-STORED: a ``stored`` kv-cache event names a key the CPU map holds when it is
   published; the tokens it carries (if any) are ``block_size`` many and, chained from its
   parent digest in hash blocks, give that key's digest.
+- STATS: a drain of the stats reports the GPU blocks of the sent loads completed since the
+  previous drain, the CPU blocks in use, the CPU blocks of the stores not completed, and per
+  outcome the boundary-state hand-offs decided since the previous drain.
 """
 
 from __future__ import annotations
@@ -318,6 +321,12 @@ def stats(state: Engine) -> Iterator[str]:
             )
         if report.pending_store_blocks > max(0, report.used_blocks - 1):
             yield "stats report more pending store blocks than CPU blocks in use"
+        decided = sorted(Counter(str(o) for o in r.outcomes).items())
+        if list(report.save_outcomes) != decided:
+            yield (
+                f"stats report hand-off outcomes {list(report.save_outcomes)}; those decided "
+                f"since the previous drain: {decided}"
+            )
 
 
 def events(state: Engine) -> Iterator[str]:

@@ -1,6 +1,7 @@
 """The connector's scheduler side: vLLM's ``SimpleCPUOffloadScheduler`` as fixed by PR
-#53532 (vLLM 0.30.0 and later) and by 0.34.0's lazy mode, over full-attention and
-sliding-window groups, with the kv-cache events of the CPU tier.
+#53532 (vLLM 0.30.0 and later) and by 0.34.0's lazy mode, over full-attention,
+sliding-window, chunked local and Mamba groups (their states stored as the scheduler hands
+them off), with the kv-cache events of the CPU tier.
 
 It owns the CPU pool and borrows the engine's GPU pool. In eager mode, per step it selects
 newly confirmed GPU blocks of every scheduled request, reserves CPU blocks for them, pins the
@@ -49,7 +50,11 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
   key.
 - STATS: a drain of the stats reports the GPU blocks of the sent loads completed since the
   previous drain (and starts the count over, a reset keeping it), the CPU blocks in use and
-  the CPU blocks of every store not yet completed (in flight, queued or abandoned).
+  the CPU blocks of every store not yet completed (in flight, queued or abandoned), and
+  per outcome the boundary-state hand-offs decided since the previous drain.
+- BOUNDARY: a boundary-state hand-off (a Mamba state the scheduler keyed this step) is
+  stored only for a live tracked request, its block not null, keyed, not in flight, its key
+  not in the CPU map; every hand-off is counted under one outcome in the stats.
 """
 
 from __future__ import annotations
@@ -238,10 +243,12 @@ class StoredRecord:
 @dataclass(frozen=True)
 class StatsRecord:
     """A drain of the stats, with the sent loads whose completions it covers (their GPU
-    block counts, as each completion was processed)."""
+    block counts, as each completion was processed) and the outcomes of the boundary-state
+    hand-offs decided since the previous drain."""
 
     report: OffloadStats
     loads: tuple[int, ...]
+    outcomes: tuple[Outcome, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -311,6 +318,7 @@ class OffloadScheduler:
         self.prefix_reset_log: list[bool] = []  # what each reset_prefix_cache returned
         self.stats_log: list[StatsRecord] = []
         self.completed_loads: list[int] = []  # since the last drain, GPU blocks of each
+        self.decided_outcomes: list[Outcome] = []  # since the last drain, each hand-off's
         self.lazy_scan_log: list[LazyScanRecord] = []
         self.lazy_return_log: list[LazyReturnRecord] = []
         self.null_log: list[NullRecord] = []
@@ -580,6 +588,7 @@ class OffloadScheduler:
                 )
             )
             self.save_outcomes[outcome] = self.save_outcomes.get(outcome, 0) + 1
+            self.decided_outcomes.append(outcome)
             if outcome is not Outcome.STORED:
                 continue
             (cpu_block,) = self.allocate_store_destinations([gpu_id])
@@ -1064,8 +1073,11 @@ class OffloadScheduler:
         )
         self.loaded_blocks_since_drain = 0
         self.save_outcomes = {}
-        self.stats_log.append(StatsRecord(report, tuple(self.completed_loads)))
+        self.stats_log.append(
+            StatsRecord(report, tuple(self.completed_loads), tuple(self.decided_outcomes))
+        )
         self.completed_loads = []
+        self.decided_outcomes = []
         return report
 
     # -- reset ------------------------------------------------------------------------------
