@@ -3,7 +3,7 @@ stay where they must, for every block size, alignment and token count.
 
 Names: ``S`` the scheduler block size, ``B`` a group block size dividing it, ``H`` the hash
 block size dividing ``B``, ``C`` computed tokens, ``T`` a request's tokens, ``n`` a group's
-cursor (blocks stored or skipped so far).
+cursor (blocks stored or skipped so far), ``m`` a prefill's end (in the Mamba lemmas).
 """
 
 from __future__ import annotations
@@ -94,6 +94,44 @@ def _lookup_cap(solver: z3.Solver) -> None:
     )
 
 
+def _mamba_load_is_the_allocated_state(solver: z3.Solver) -> None:
+    # A Mamba CPU hit after ``computed`` local tokens (a multiple of S, so of B) is i nulls and
+    # one state: ``external = (i + 1) * B``. The load writes table position computed / B + i;
+    # the allocation for the external range pads the table with nulls to
+    # ceil((computed + external) / B) - 1 and takes that last position.
+    solver.add(
+        B > 0,
+        p >= 0,
+        i >= 0,
+        computed == p * B,
+        external == (i + 1) * B,
+        z3.Not(computed / B + i == ceil_div(computed + external, B) - 1),
+    )
+
+
+def _mamba_keeps_its_running_state(solver: z3.Solver) -> None:
+    # After ``C >= 1`` computed tokens a Mamba table frees every position below (C - 1) / B
+    # (the tokens before the last one are skipped); the running state's block sits at
+    # ceil(C / B) - 1, which is never below that, and the block it was copied from, one
+    # position before, is freed exactly when the state has moved past it.
+    solver.add(B > 0, C >= 1, z3.Not(ceil_div(C, B) - 1 == (C - 1) / B))
+
+
+def _mamba_chunk_ends_on_a_state(solver: z3.Solver) -> None:
+    # A prefill chunk from ``computed`` of ``q`` tokens that ends before the prefill's end
+    # (m) is cut to end on a block boundary: end = (computed + q) / S * S; when that end is
+    # past the start, the state it writes is a whole block's (arith.mamba_chunk).
+    end = aligned(computed + q, S)
+    solver.add(
+        S > 0,
+        computed >= 0,
+        q > 0,
+        computed + q < m,
+        end > computed,
+        z3.Not(z3.And(end % S == 0, end <= computed + q, end < m)),
+    )
+
+
 OBLIGATIONS = [
     Obligation(
         "flush range within the allocated blocks",
@@ -125,5 +163,20 @@ OBLIGATIONS = [
         "lookup never covers the last token",
         "computed + hit < T and ends on a block boundary",
         _lookup_cap,
+    ),
+    Obligation(
+        "a Mamba load writes the state block the allocation takes",
+        "computed / B + i == ceil((computed + (i + 1) * B) / B) - 1",
+        _mamba_load_is_the_allocated_state,
+    ),
+    Obligation(
+        "a Mamba table keeps its running state",
+        "(C - 1) / B == ceil(C / B) - 1 for C >= 1: the freed positions end at the state's",
+        _mamba_keeps_its_running_state,
+    ),
+    Obligation(
+        "a Mamba prefill chunk ends on a state boundary",
+        "a chunk cut before the prefill's end ends on a multiple of S, within its tokens",
+        _mamba_chunk_ends_on_a_state,
     ),
 ]
