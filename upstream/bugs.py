@@ -194,7 +194,8 @@ BUGS: list[HistoricalBug] = [
         "fine-grained hybrid hits, FA partial tail at finish",
         "0.29.0",
         "0.30.0",
-        out_of_reach="Mamba groups and fine-grained partial hits",
+        out_of_reach="fine-grained partial hits (a Mamba group larger than the hash block) "
+        "and 0.29.0's positional scan of Mamba tables",
     ),
     HistoricalBug(
         "S14",
