@@ -144,6 +144,12 @@ BAD_INPUT = [
 # Requests that skip reading the prefix cache (S12), and lazy mode (S26, S27).
 SKIP_READING = SCENARIOS["skip-reading-stored-prompt"][1]
 LAZY = SCENARIOS["lazy-scan-after-reset"][1]
+# A Mamba group beside full attention (0.30.0 on): states handed off, one loaded back, handed
+# off again and skipped; 0.31.0 on count the outcomes in their stats. The scenario's GPU-only
+# prefix-cache reset answers as #57727 has it (reset-gpu-only).
+MAMBA_HANDOFFS = SCENARIOS["mamba-state-handoff-and-load"][1]
+MAMBA_NO_STATS = [call for call in MAMBA_HANDOFFS if call[0] != "stats"]
+MAMBA = "OffloadConfig(12, 12, (4, 4), 4, 1, mamba=(False, True), kv_events=True)"
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
 SMALL_LAZY = "OffloadConfig(4, 2, (4,), 4, 1, lazy=True)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
@@ -170,6 +176,7 @@ CASES: dict[str, list[Case]] = {
         (LARGE, SKIP_READING, "lazy-0.33", None),
         (SMALL_LAZY, LAZY, "lazy-0.33", None),
         (SMALL_LAZY, LAZY, "fixed", "call 4 ('drain',): snapshots differ in ['gpu']"),
+        (MAMBA, MAMBA_NO_STATS, "reset-gpu-only", None),
     ],
     "0.34.0": [
         (SMALL, FLUSH, "inclusive-cpu", None),
@@ -179,6 +186,7 @@ CASES: dict[str, list[Case]] = {
         (SMALL, BAD_INPUT, "inclusive-cpu", None),
         (LARGE, SKIP_READING, "inclusive-cpu", None),
         (SMALL_LAZY, LAZY, "inclusive-cpu", None),
+        (MAMBA, MAMBA_HANDOFFS, "inclusive-cpu+reset-gpu-only", None),
     ],
 }
 
