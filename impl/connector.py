@@ -441,7 +441,8 @@ class Connector:
             cpu = self.reserve(gpu)
             self.gpu.pin(gpu)
         if not self.lazy:
-            self.store_states(offers, preempted, gpu, cpu, reqs, meta)
+            if offers:
+                self.store_states(offers, preempted, gpu, cpu, reqs, meta)
             for rid in preempted:  # their blocks are gone: tables and cursors start over
                 self.forget_table(rid)
         for rid, new_ids, num_tokens in scheduled:

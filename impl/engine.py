@@ -109,6 +109,7 @@ class ImplEngine:
         self.free_after_load: set[str] = set()
         self.mamba = [config.is_mamba(g) for g in range(len(self.sizes))]
         self.has_mamba = any(self.mamba)
+        self.mamba_groups = [g for g, m in enumerate(self.mamba) if m]
         # Mamba: the step's boundary-state hand-offs (request, block), and the keys of the
         # states cached in this step (a hit on one waits for the next step).
         self.offers: list[tuple[str, int]] = []
@@ -139,14 +140,15 @@ class ImplEngine:
         cached: list[Scheduled] = []
         loading: list[str] = []
         preempted: list[str] = []
-        self.cached_this_step.clear()
+        if self.has_mamba:
+            self.cached_this_step.clear()
         index = 0
         while index < len(self.running) and budget > 0:
             rid = self.running[index]
             req = self.requests[rid]
-            n = self.chunk(req, min(req.num_tokens - req.num_computed_tokens, budget), 0)
-            if n == 0:  # no block-aligned chunk fits: passed over
-                index += 1
+            n = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.has_mamba and not (n := self.chunk(req, n, 0)):
+                index += 1  # no block-aligned chunk fits: passed over
                 continue
             sizes_before = [len(ids) for ids in self.table(rid)]
             ok = self.allocate(req, n)
@@ -191,9 +193,9 @@ class ImplEngine:
             start = req.num_computed_tokens + local + external
             n = 0
             if not load:
-                n = self.chunk(req, min(req.num_tokens - start, budget), local + external)
-                if n == 0:
-                    break
+                n = min(req.num_tokens - start, budget)
+                if self.has_mamba and not (n := self.chunk(req, n, local + external)):
+                    break  # no block-aligned chunk fits
             if not self.allocate(req, n, hits, local, external, load):
                 break
             self.connector.after_alloc(req, tuple(list(ids) for ids in self.tables[rid]), external)
@@ -212,9 +214,7 @@ class ImplEngine:
         return ranges, loading, new + cached, preempted
 
     def chunk(self, req: ImplRequest, n: int, hit: int) -> int:
-        """With a Mamba group, a prefill chunk split where states are cached."""
-        if not self.has_mamba:
-            return n
+        """A Mamba model's prefill chunk, split where states are cached."""
         return mamba_chunk(
             req.num_computed_tokens + hit,
             n,
@@ -252,21 +252,25 @@ class ImplEngine:
         skips = [0 if not first else self.skipped(g, computed) for g in range(len(self.sizes))]
         end = computed + n
         wanted = [-(-end // size) for size in self.sizes]
-        mamba = self.mamba
         need = sum(
-            min(1, max(0, w - len(ids) - len(h))) if m else max(0, w - max(k, len(ids) + len(h)))
-            for w, ids, h, k, m in zip(wanted, table, hits, skips, mamba, strict=True)
+            max(0, w - max(k, len(ids) + len(h)))
+            for w, ids, h, k in zip(wanted, table, hits, skips, strict=True)
         )
         ref = self.gpu.ref
         need += sum(
-            1
-            for h, k, m in zip(hits, skips, mamba, strict=True)
-            for b in (h if m else h[k:])
-            if ref[b] == 0 and b != NULL
+            1 for h, k in zip(hits, skips, strict=True) for b in h[k:] if ref[b] == 0 and b != NULL
         )
-        for g, h in enumerate(hits):
-            if mamba[g] and h and req.block_keys()[g][len(h) - 1] in self.cached_this_step:
-                return False  # its state is computed by this step's forward
+        if self.has_mamba:
+            for g in self.mamba_groups:
+                w, ids, h, k = wanted[g], table[g], hits[g], skips[g]
+                if h and req.block_keys()[g][len(h) - 1] in self.cached_this_step:
+                    return False  # its state is computed by this step's forward
+                # One block at most (the running state's), and the hit's state counted even
+                # where the external range passes it.
+                need += min(1, max(0, w - len(ids) - len(h))) - max(
+                    0, w - max(k, len(ids) + len(h))
+                )
+                need += sum(1 for b in h[:k] if ref[b] == 0 and b != NULL)
         if need > self.gpu.num_free:
             return False
         if first:
@@ -282,7 +286,7 @@ class ImplEngine:
                     if reach <= self.config.skipped_tokens(g, reach):
                         continue  # the whole external range left the window or the chunk
                     ids.extend(self.gpu.allocate(max(0, -(-reach // size) - len(ids))))
-        for ids, w, m in zip(table, wanted, mamba, strict=True):
+        for ids, w, m in zip(table, wanted, self.mamba, strict=True):
             if m and w > len(ids):
                 ids.extend([NULL] * (w - len(ids) - 1))  # up to the running state's block
             ids.extend(self.gpu.allocate(max(0, w - len(ids))))
@@ -391,6 +395,8 @@ class ImplEngine:
     def take_offers(self) -> list[tuple[str, int]]:
         """Drain the step's boundary-state hand-offs, grouped by request in the order of
         each one's first."""
+        if not self.offers:
+            return []
         offers, self.offers = self.offers, []
         order = {rid: i for i, (rid, _) in reversed(list(enumerate(offers)))}
         return sorted(offers, key=lambda offer: order[offer[0]])

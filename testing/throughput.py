@@ -225,9 +225,9 @@ def report(result: Throughput, adapter: str = "impl") -> tuple[list[str], list[s
         f"{result.lockstep_calls / result.lockstep_steps:.1f} per rule (`step` and `settle` "
         "make several).",
         "",
-        "Its programs by kind of layout (full-attention groups only, or a sliding-window or "
-        "chunked local group beside a full-attention one), each timed from its setup to its "
-        "teardown:",
+        "Its programs by kind of layout (full-attention groups only, or a sliding-window, "
+        "chunked local or Mamba group beside a full-attention one), each timed from its setup "
+        "to its teardown:",
         "",
         "| layout | programs | driver calls | seconds | programs/s | calls/s |",
         "|---|---|---|---|---|---|",
