@@ -1,0 +1,93 @@
+"""vLLM 0.34.0's own ``Scheduler`` (with the SimpleCPUOffload connector its factory builds)
+against the model, step by step: the tokens each step schedules and the connector metadata
+it sends (``kvoffload.upstream.scheduler``; docs/upstream.md). Runs where vLLM 0.34.0 is
+installed, in its release environment."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+from typing import Any
+
+import pytest
+
+from kvoffload.model import OffloadConfig
+from kvoffload.model.errors import InvalidArgumentError
+from kvoffload.upstream.install import Cache, default_cache
+from kvoffload.upstream.scheduler import VllmScheduler, first_step_difference
+
+# A request decoding while a second one hits the first one's blocks on the GPU and a third
+# is admitted beside them; every step agrees.
+SHARED = [
+    ("add", "a", [0, 1, 2, 3, 4, 5, 6, 0], 3),
+    ("add", "b", [0, 1, 2, 3, 4, 5, 6, 0, 2, 2], 2),
+    ("add", "c", [1, 1, 1, 1, 1], 2),
+    *[("step", 5)] * 8,
+]
+# A prompt stored, the GPU pool then filled by another one, the prompt again: its hit comes
+# from the CPU and loads.
+CPU_HIT = [
+    ("add", "a", [0, 1, 2, 3, 4, 5, 6, 0, 1], 1),
+    *[("step", 8)] * 3,
+    ("add", "f", [3] * 19, 1),
+    *[("step", 8)] * 4,
+    ("add", "b", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2], 1),
+    *[("step", 8)] * 4,
+]
+# vLLM admits a waiting request only if its whole sequence fits the free blocks
+# (``scheduler_reserve_full_isl``, on by default); the model's engine admits it when its
+# first chunk fits. Here r1's 13 tokens need 4 blocks while r0 holds 4 of the 7.
+FULL_SEQUENCE = [
+    ("add", "r0", [5, 6, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 1], 3),
+    ("add", "r1", [3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 1, 1], 1),
+    ("step", 9),
+    ("step", 15),
+]
+CASES: list[tuple[str, list[tuple[Any, ...]], str | None]] = [
+    ("OffloadConfig(16, 16, (4,), 4)", SHARED, None),
+    ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, None),
+    (
+        "OffloadConfig(8, 16, (4,), 4)",
+        FULL_SEQUENCE,
+        "call 3 ('step', 15): vLLM's scheduler ({'r0': 6}",
+    ),
+]
+
+
+def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> None:
+    cache = Cache(default_cache())
+    if not cache.installed("0.34.0"):
+        pytest.skip("vllm==0.34.0 is not installed: kvoffload install vllm==0.34.0")
+    script = textwrap.dedent(
+        f"""
+        import json
+        from kvoffload.model import OffloadConfig
+        from kvoffload.upstream.scheduler import first_step_difference
+        for config, program, _ in {CASES!r}:
+            print(json.dumps({{"found": first_step_difference(eval(config), program)}}))
+        """
+    )
+    run = subprocess.run(
+        [str(cache.python), "-c", script],
+        env=cache.environment("0.34.0"),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
+    assert len(found) == len(CASES)
+    for (_, _, expected), got in zip(CASES, found, strict=True):
+        if expected is None:
+            assert got is None, got
+        else:
+            assert got is not None and got.startswith(expected), got
+
+
+def test_the_scheduler_target_refuses_what_it_does_not_drive_yet() -> None:
+    # Refused before vLLM is imported: these run without it.
+    with pytest.raises(InvalidArgumentError, match="add and step calls"):
+        first_step_difference(OffloadConfig(8, 8, (4,), 4), [("drain",)])
+    with pytest.raises(InvalidArgumentError, match="one full-attention group in eager mode"):
+        VllmScheduler(OffloadConfig(8, 8, (4,), 4, lazy=True))
