@@ -44,18 +44,24 @@ FULL_SEQUENCE = [
     ("step", 9),
     ("step", 15),
 ]
-CASES: list[tuple[str, list[tuple[Any, ...]], str | None]] = [
-    ("OffloadConfig(16, 16, (4,), 4)", SHARED, None),
-    ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, None),
+# (configuration, program, vLLM's whole-sequence admission, the difference expected)
+CASES: list[tuple[str, list[tuple[Any, ...]], bool, str | None]] = [
+    ("OffloadConfig(16, 16, (4,), 4)", SHARED, True, None),
+    ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, True, None),
     (
         "OffloadConfig(8, 16, (4,), 4)",
         FULL_SEQUENCE,
+        True,
         "call 3 ('step', 15): vLLM's scheduler ({'r0': 6}",
     ),
+    # with it off, vLLM admits r1 as the model does
+    ("OffloadConfig(8, 16, (4,), 4)", FULL_SEQUENCE, False, None),
 ]
 
 
 def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> None:
+    """Each step's scheduled tokens and connector metadata agree, but where vLLM's default
+    admission (the whole sequence must fit) refuses a request the model admits."""
     cache = Cache(default_cache())
     if not cache.installed("0.34.0"):
         pytest.skip("vllm==0.34.0 is not installed: kvoffload install vllm==0.34.0")
@@ -64,8 +70,9 @@ def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> 
         import json
         from kvoffload.model import OffloadConfig
         from kvoffload.upstream.scheduler import first_step_difference
-        for config, program, _ in {CASES!r}:
-            print(json.dumps({{"found": first_step_difference(eval(config), program)}}))
+        for config, program, whole, _ in {CASES!r}:
+            found = first_step_difference(eval(config), program, whole_sequence_admission=whole)
+            print(json.dumps({{"found": found}}))
         """
     )
     run = subprocess.run(
@@ -78,7 +85,7 @@ def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> 
     assert run.returncode == 0, run.stderr[-3000:]
     found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
     assert len(found) == len(CASES)
-    for (_, _, expected), got in zip(CASES, found, strict=True):
+    for (*_, expected), got in zip(CASES, found, strict=True):
         if expected is None:
             assert got is None, got
         else:

@@ -28,6 +28,8 @@ from kvoffload.model import OffloadModel
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.engine import greedy_token
 from kvoffload.model.errors import InvalidArgumentError
+from kvoffload.model.variants import keeps_invariants
+from kvoffload.testing.adapters import expected_variant
 from kvoffload.upstream.vllm_world import build, keywords
 
 # What one step shows: tokens scheduled per request, then the store event with its GPU and
@@ -39,9 +41,12 @@ StepView = tuple[
 
 class VllmScheduler:
     """vLLM's ``Scheduler`` and ``SimpleCPUOffloadConnector``, built from the adapter's world
-    for ``config`` (one full-attention group, eager mode)."""
+    for ``config`` (one full-attention group, eager mode). ``whole_sequence_admission``:
+    vLLM's ``scheduler_reserve_full_isl`` (its default, True: a waiting request is admitted
+    only if its whole sequence fits the free blocks; the model's engine admits one whose first
+    chunk fits, as vLLM does with it off)."""
 
-    def __init__(self, config: OffloadConfig) -> None:
+    def __init__(self, config: OffloadConfig, whole_sequence_admission: bool = True) -> None:
         if config.num_groups != 1 or config.lazy:
             raise InvalidArgumentError(
                 "the scheduler target drives one full-attention group in eager mode so far"
@@ -59,6 +64,7 @@ class VllmScheduler:
             kv_connector_extra_config={"num_cpu_blocks": config.cpu_blocks},
         )
         vllm_config.cache_config.num_gpu_blocks = config.gpu_blocks
+        vllm_config.scheduler_config.scheduler_reserve_full_isl = whole_sequence_admission
         size = config.scheduler_block_size
         self.scheduler: Any = Scheduler(
             vllm_config,
@@ -152,14 +158,21 @@ def model_step(model: OffloadModel, token_budget: int) -> StepView:
     )
 
 
-def first_step_difference(config: OffloadConfig, program: Sequence[tuple[Any, ...]]) -> str | None:
+def first_step_difference(
+    config: OffloadConfig,
+    program: Sequence[tuple[Any, ...]],
+    variant: str | None = None,
+    whole_sequence_admission: bool = True,
+) -> str | None:
     """Run ``program`` (``("add", id, prompt, max_tokens)`` and ``("step", budget)`` calls)
-    on vLLM's scheduler and on the model; the first step whose view differs, or None."""
+    on vLLM's scheduler and on ``variant`` of the model (default: the running release's, as
+    the release table names it); the first step whose view differs, or None."""
     for call in program:
         if call[0] not in ("add", "step"):
             raise InvalidArgumentError(f"the scheduler target takes add and step calls, got {call}")
-    vllm = VllmScheduler(config)
-    model = OffloadModel(config, check=True)
+    vllm = VllmScheduler(config, whole_sequence_admission)
+    compared_with = variant or expected_variant("vllm")
+    model = OffloadModel(config, variant=compared_with, check=keeps_invariants(compared_with))
     for n, call in enumerate(program):
         if call[0] == "add":
             vllm.add_request(*call[1:])
