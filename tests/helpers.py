@@ -86,3 +86,29 @@ def waiting_on_a_pinned_hit(variant: str) -> OffloadModel:
     model.add_request("b", tokens, max_tokens=1)  # CPU hit of 8 tokens, no GPU room
     model.step(16)
     return model
+
+
+def found_in_release(version: str, script: str) -> list[str | None]:
+    """Run ``script`` in ``version``'s release environment and return the ``found`` of each
+    JSON line it prints (a first difference, or None); the test is skipped where the release
+    is not installed."""
+    import json
+    import subprocess
+
+    import pytest
+
+    from kvoffload.upstream.install import Cache, default_cache
+
+    cache = Cache(default_cache())
+    if not cache.installed(version):
+        pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
+    run = subprocess.run(
+        [str(cache.python), "-c", script],
+        env=cache.environment(version),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    lines = [line for line in run.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line)["found"] for line in lines]

@@ -5,8 +5,6 @@ the bug, naming it, and conforms in the first release with the fix."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -18,9 +16,10 @@ from kvoffload.model.errors import ConfigError
 from kvoffload.model.variants import is_variant
 from kvoffload.upstream import history
 from kvoffload.upstream.bugs import BUGS, HistoricalBug, select
-from kvoffload.upstream.install import Cache, default_cache
+from kvoffload.upstream.install import Cache
 from kvoffload.upstream.releases import RELEASES, Check, release_numbers
 
+from helpers import found_in_release
 from scenarios import SCENARIOS
 
 
@@ -291,9 +290,6 @@ def _first_disagreements(
 ) -> list[str | None]:
     """In ``version``'s environment, vLLM's first disagreement with each (configuration's
     fields, program, variant), or None; skipped where the release is not installed."""
-    cache = Cache(default_cache())
-    if not cache.installed(version):
-        pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
     script = textwrap.dedent(
         f"""
         import json
@@ -306,15 +302,7 @@ def _first_disagreements(
             print(json.dumps({{"found": found}}))
         """
     )
-    run = subprocess.run(
-        [str(cache.python), "-c", script],
-        env=cache.environment(version),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
+    found = found_in_release(version, script)
     assert len(found) == len(runs)
     return found
 

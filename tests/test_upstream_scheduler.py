@@ -5,8 +5,6 @@ installed, in its release environment."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 import textwrap
 from typing import Any
 
@@ -14,8 +12,9 @@ import pytest
 
 from kvoffload.model import OffloadConfig
 from kvoffload.model.errors import InvalidArgumentError
-from kvoffload.upstream.install import Cache, default_cache
 from kvoffload.upstream.scheduler import VllmScheduler, first_step_difference
+
+from helpers import found_in_release
 
 # A request decoding while a second one hits the first one's blocks on the GPU and a third
 # is admitted beside them; every step agrees.
@@ -62,9 +61,6 @@ CASES: list[tuple[str, list[tuple[Any, ...]], bool, str | None]] = [
 def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> None:
     """Each step's scheduled tokens and connector metadata agree, but where vLLM's default
     admission (the whole sequence must fit) refuses a request the model admits."""
-    cache = Cache(default_cache())
-    if not cache.installed("0.34.0"):
-        pytest.skip("vllm==0.34.0 is not installed: kvoffload install vllm==0.34.0")
     script = textwrap.dedent(
         f"""
         import json
@@ -75,15 +71,7 @@ def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> 
             print(json.dumps({{"found": found}}))
         """
     )
-    run = subprocess.run(
-        [str(cache.python), "-c", script],
-        env=cache.environment("0.34.0"),
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    found = [json.loads(line)["found"] for line in run.stdout.splitlines() if line.startswith("{")]
+    found = found_in_release("0.34.0", script)
     assert len(found) == len(CASES)
     for (*_, expected), got in zip(CASES, found, strict=True):
         if expected is None:
