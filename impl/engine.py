@@ -108,7 +108,6 @@ class ImplEngine:
         self.loaded: set[str] = set()
         self.free_after_load: set[str] = set()
         self.mamba = [config.is_mamba(g) for g in range(len(self.sizes))]
-        self.has_mamba = any(self.mamba)
         self.mamba_groups = [g for g, m in enumerate(self.mamba) if m]
         # Mamba: the step's boundary-state hand-offs (request, block), and the keys of the
         # states cached in this step (a hit on one waits for the next step).
@@ -140,14 +139,14 @@ class ImplEngine:
         cached: list[Scheduled] = []
         loading: list[str] = []
         preempted: list[str] = []
-        if self.has_mamba:
+        if self.mamba_groups:
             self.cached_this_step.clear()
         index = 0
         while index < len(self.running) and budget > 0:
             rid = self.running[index]
             req = self.requests[rid]
             n = min(req.num_tokens - req.num_computed_tokens, budget)
-            if self.has_mamba and not (n := self.chunk(req, n, 0)):
+            if self.mamba_groups and not (n := self.chunk(req, n, 0)):
                 index += 1  # no block-aligned chunk fits: passed over
                 continue
             sizes_before = [len(ids) for ids in self.table(rid)]
@@ -194,7 +193,7 @@ class ImplEngine:
             n = 0
             if not load:
                 n = min(req.num_tokens - start, budget)
-                if self.has_mamba and not (n := self.chunk(req, n, local + external)):
+                if self.mamba_groups and not (n := self.chunk(req, n, local + external)):
                     break  # no block-aligned chunk fits
             if not self.allocate(req, n, hits, local, external, load):
                 break
@@ -260,17 +259,14 @@ class ImplEngine:
         need += sum(
             1 for h, k in zip(hits, skips, strict=True) for b in h[k:] if ref[b] == 0 and b != NULL
         )
-        if self.has_mamba:
-            for g in self.mamba_groups:
-                w, ids, h, k = wanted[g], table[g], hits[g], skips[g]
-                if h and req.block_keys()[g][len(h) - 1] in self.cached_this_step:
-                    return False  # its state is computed by this step's forward
-                # One block at most (the running state's), and the hit's state counted even
-                # where the external range passes it.
-                need += min(1, max(0, w - len(ids) - len(h))) - max(
-                    0, w - max(k, len(ids) + len(h))
-                )
-                need += sum(1 for b in h[:k] if ref[b] == 0 and b != NULL)
+        for g in self.mamba_groups:
+            w, ids, h, k = wanted[g], table[g], hits[g], skips[g]
+            if h and req.block_keys()[g][len(h) - 1] in self.cached_this_step:
+                return False  # its state is computed by this step's forward
+            # One block at most (the running state's), and the hit's state counted even
+            # where the external range passes it.
+            need += min(1, max(0, w - len(ids) - len(h))) - max(0, w - max(k, len(ids) + len(h)))
+            need += sum(1 for b in h[:k] if ref[b] == 0 and b != NULL)
         if need > self.gpu.num_free:
             return False
         if first:

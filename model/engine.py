@@ -489,11 +489,12 @@ class Engine:
         """Hand the Mamba states just cached (positions ``start <= i < end`` that hold a
         block) to the connector, and remember their keys for the step."""
         size = self.config.group_block_sizes[group]
+        keys = block_keys(req.digests, group, size, self.config.hash_block_size)
         for i in range(start, end):
             if blocks[i].is_null:
                 continue
             self.boundary_offers.append((req.request_id, group, blocks[i].block_id, (i + 1) * size))
-            self.cached_this_step.add(self.hit_key(req, group, i))
+            self.cached_this_step.add(keys[i])
 
     def hit_key(self, req: Request, group: int, index: int) -> BlockKey:
         """The key of ``req``'s position ``index`` in ``group``."""
