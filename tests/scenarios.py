@@ -392,6 +392,31 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("stats",),
         ],
     ),
+    # Two requests with one prompt admitted together: the second's Mamba hit is the state
+    # the first keys in this very step, so it waits a step (tests/test_mamba.py).
+    "mamba-hit-cached-this-step": (
+        cfg(16, 16, (4, 4), 4, mamba=(False, True)),
+        [
+            ("add", "a", [0, 1, 2, 3, 4, 5, 6, 0, 1], 1),
+            ("add", "b", [0, 1, 2, 3, 4, 5, 6, 0, 1], 1),
+            ("step", 32),
+            ("step", 32),
+            ("drain",),
+        ],
+    ),
+    # Full attention caches 12 tokens of b's prompt, Mamba only 8: b's first chunk stops at
+    # the junction, 12 (tests/test_mamba.py).
+    "mamba-chunk-stops-at-junction": (
+        cfg(16, 16, (4, 4), 4, mamba=(False, True)),
+        [
+            ("add", "a", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2], 1),
+            *[("step", 8), ("drain",)] * 3,
+            ("add", "b", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 9, 9, 9, 9, 9, 9], 1),
+            ("step", 8),
+            ("step", 8),
+            ("drain",),
+        ],
+    ),
     "chunk-hit-after-unaligned-prefix": (
         cfg(10, 12, (4, 4), 4, attention_chunks=(None, 8)),
         [

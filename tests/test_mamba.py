@@ -93,3 +93,28 @@ def test_lazy_mode_takes_no_hand_off() -> None:
     step = model.step(8)
     assert not step.metadata.store_gpu_blocks  # nothing freed yet, no hand-off taken
     assert model.stats().save_outcomes == ()
+
+
+def test_a_hit_on_a_state_cached_this_step_waits_for_the_next_step() -> None:
+    model = _model()
+    tokens = prompt(9)
+    model.add_request("a", tokens, max_tokens=1)
+    model.add_request("b", tokens, max_tokens=1)
+    # a computes 8 tokens and keys its state at 8 as the step is scheduled; b's hit on that
+    # state would read what this step's forward has not written yet
+    assert model.step(32).scheduled == {"a": (0, 8)}
+    # next step b takes the hit (8 tokens) and computes its last token
+    assert model.step(32).scheduled == {"a": (8, 9), "b": (8, 9)}
+
+
+def test_a_prefill_chunk_stops_where_full_attention_caches_past_the_common_hit() -> None:
+    model = _model()
+    first = prompt(17)
+    model.add_request("a", first, max_tokens=1)
+    for _ in range(3):
+        model.step(8)  # chunks of 8: a's states at 8 and 16, its full-attention blocks at 4s
+        drain(model)
+    # b shares a's first 14 tokens: full attention hits 12 tokens, Mamba only 8 (a has no
+    # state at 12), so the common hit is 8 and 12 is a junction b's first chunk stops at
+    model.add_request("b", [*first[:14], 9, 9, 9, 9, 9, 9], max_tokens=1)
+    assert model.step(8).scheduled == {"b": (8, 12)}
