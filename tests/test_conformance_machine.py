@@ -132,9 +132,6 @@ def test_mamba_states_are_handed_off_and_loaded() -> None:
     loaded: list[int] = []
 
     class Counting(machine_for("impl")):  # type: ignore[misc]
-        stored = False
-        loaded = False
-
         def run(self, call: Call, rule_name: str, continued: bool = False) -> None:
             super().run(call, rule_name, continued)
             connector = self.model.engine.connector
@@ -151,8 +148,8 @@ def test_mamba_states_are_handed_off_and_loaded() -> None:
         def teardown(self) -> None:
             if self.model.engine.mamba_groups:
                 drawn.append(1)
-                stored.extend([1] if self.stored else [])
-                loaded.extend([1] if self.loaded else [])
+                stored.extend([1] if getattr(self, "stored", False) else [])
+                loaded.extend([1] if getattr(self, "loaded", False) else [])
             super().teardown()
 
     run_state_machine_as_test(Counting, settings=settings(profiles.get("ci"), max_examples=300))
