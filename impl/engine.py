@@ -52,6 +52,7 @@ class ImplRequest:
         self.num_computed_tokens = 0
         self.junction = 0  # a prefix some group caches past the common hit, or 0
         self.status = Status.WAITING
+        self.num_preemptions = 0
         self.hbs = config.hash_block_size
         self.sizes = config.group_block_sizes
         self.digests: list[str] = []
@@ -176,7 +177,7 @@ class ImplEngine:
                 if req.num_computed_tokens == req.num_tokens:
                     req.num_computed_tokens -= 1
                 self.loaded.discard(rid)
-                req.status = Status.WAITING
+                req.status = Status.PREEMPTED if req.num_preemptions else Status.WAITING
             hits: list[list[int]] | None = None
             local = external = 0
             load = False
@@ -229,6 +230,7 @@ class ImplEngine:
         req = self.requests[rid]
         self.free_table(rid)
         req.status = Status.PREEMPTED
+        req.num_preemptions += 1
         req.num_computed_tokens = 0
         self.waiting.insert(0, rid)
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.engine import Engine, RequestStatus
+from kvoffload.model.engine import FIRST_CHUNK_ADMISSION, Admission, Engine, RequestStatus
 from kvoffload.model.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -38,12 +38,21 @@ from kvoffload.model.variants import VARIANTS, is_variant, scheduler_class
 class OffloadModel:
     """The model of one engine with eager CPU offloading, driven call by call."""
 
-    def __init__(self, config: OffloadConfig, variant: str = "fixed", check: bool = False) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        variant: str = "fixed",
+        check: bool = False,
+        admission: Admission = FIRST_CHUNK_ADMISSION,
+    ) -> None:
+        """``admission``: what the engine requires of a waiting request beyond the blocks of
+        its first chunk (none by default; vLLM 0.34.0's own scheduler:
+        :data:`~kvoffload.model.engine.VLLM_ADMISSION`)."""
         if not is_variant(variant):
             raise ConfigError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
         self.config = config
         self.variant = variant
-        self.engine = Engine(config, scheduler_class(variant))
+        self.engine = Engine(config, scheduler_class(variant), admission)
         self.checked = check
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
@@ -140,6 +149,27 @@ class OffloadModel:
             self.engine.loads_finished(set(finished))
         self._end()
         return finished
+
+    def complete_all(self) -> tuple[str, ...]:
+        """Every worker reports every store and load still owed, in one output (as vLLM's
+        scheduler takes a step's ``KVConnectorOutput``: the loads' CPU blocks released, then
+        the stores processed, then the loaded requests' GPU blocks); returns the requests
+        whose loads are now complete."""
+        stores = {
+            event: self.config.world_size - len(self._store_reports.get(event, set()))
+            for event, _ in self.outstanding("store")
+        }
+        loads = {event for event, _ in self.outstanding("load")}
+        self._begin()
+        finished: list[str] = []
+        for event in sorted(loads):
+            self._load_reports[event] = set(range(self.config.world_size))
+            finished += self.engine.connector.load_event_to_reqs_for(event)
+        for event in stores:
+            self._store_reports[event] = set(range(self.config.world_size))
+        self.engine.worker_output(set(finished), stores)
+        self._end()
+        return tuple(sorted(finished))
 
     def lookup(self, tokens: Sequence[int]) -> int:
         """Tokens of a prompt the CPU pool would serve now (read-only: pins nothing, evicts

@@ -21,6 +21,14 @@ with its whole block table (the shape of vLLM's newer model runner, 0.34.0's onl
 Against the models of vLLM before 0.24.0 (whose pool cannot take what follows a preemption,
 ``OffloadScheduler.preempts``) a running request that cannot grow waits instead.
 
+Admission (:class:`Admission`): a waiting request is admitted when the blocks of its first
+chunk fit. vLLM 0.34.0's own scheduler adds two gates and an order (full-attention groups only:
+vLLM caps the counts of the others by their windows and chunks, not modelled): the blocks of
+the whole sequence must fit too (``scheduler_reserve_full_isl``), and a request whose hit loads
+asynchronously is admitted only beside the blocks that the requests still prefilling and
+the loads parked still need to hold their whole sequences (``reserved_blocks``); and a
+request whose load has started waits in a queue of its own, taken before the others.
+
 Mamba groups (align mode, no speculative blocks, no prefill checkpoints): a request's table
 holds the null block everywhere but at its running state's block and, until the next
 allocation, the block its state is copied from; an allocation that passes the table's end
@@ -57,6 +65,7 @@ from enum import StrEnum
 from kvoffload.model.arith import mamba_chunk, reachable
 from kvoffload.model.block_pool import Block
 from kvoffload.model.config import OffloadConfig
+from kvoffload.model.errors import ConfigError
 from kvoffload.model.keys import BlockKey, block_keys, extend_digests, fine_key
 from kvoffload.model.lookup import find_hybrid_hit
 from kvoffload.model.offload import Disposition, OffloadScheduler, Transfer
@@ -80,6 +89,31 @@ class RequestStatus(StrEnum):
     FINISHED = "finished"
 
 
+@dataclass(frozen=True)
+class Admission:
+    """What the engine requires of a waiting request before it admits it, beyond the blocks
+    of its first chunk. ``whole_sequence``: the free blocks hold its whole sequence (vLLM's
+    ``scheduler_reserve_full_isl``). ``load_reservations``: a request whose hit loads
+    asynchronously fits beside the blocks reserved for the requests still prefilling and the
+    loads parked (vLLM 0.34.0's ``_inflight_prefill_reserved_blocks``). ``holders_first``:
+    the requests whose loads started come first. All are on in vLLM 0.34.0's own scheduler
+    (:data:`VLLM_ADMISSION`); the conformance machine's engine has none."""
+
+    whole_sequence: bool = False
+    load_reservations: bool = False
+    # Requests that hold blocks (their loads started) are taken before every other waiting
+    # request, in the order their loads started (vLLM 0.34.0's kv_holding_waiting queue).
+    holders_first: bool = False
+
+    @property
+    def gated(self) -> bool:
+        return self.whole_sequence or self.load_reservations
+
+
+FIRST_CHUNK_ADMISSION = Admission()
+VLLM_ADMISSION = Admission(whole_sequence=True, load_reservations=True, holders_first=True)
+
+
 @dataclass
 class Request:
     request_id: str
@@ -93,6 +127,7 @@ class Request:
     shared_prefix_boundary: int = 0
     num_computed_tokens: int = 0
     status: RequestStatus = RequestStatus.WAITING
+    num_preemptions: int = 0
     digests: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
@@ -142,9 +177,24 @@ class Engine:
     """The reduced vLLM engine core with one offload connector."""
 
     def __init__(
-        self, config: OffloadConfig, connector_cls: type[OffloadScheduler] = OffloadScheduler
+        self,
+        config: OffloadConfig,
+        connector_cls: type[OffloadScheduler] = OffloadScheduler,
+        admission: Admission = FIRST_CHUNK_ADMISSION,
     ) -> None:
+        if admission.gated and not all(config.full_attention(g) for g in range(config.num_groups)):
+            raise ConfigError(
+                "vLLM's admission gates are modelled for full-attention groups only: vLLM "
+                "caps the blocks of sliding-window, chunked local and Mamba groups"
+            )
         self.config = config
+        self.admission = admission
+        # Under load reservations: the requests still prefilling after their last chunk
+        # (vLLM's _inflight_prefills), and the blocks reserved for each parked load.
+        self.inflight_prefills: set[str] = set()
+        self.parked: dict[str, int] = {}
+        # Under holders first: the waiting requests whose loads started, in that order.
+        self.holders: list[str] = []
         # The machine draws no preemption against the releases whose pool cannot take it
         # (OffloadScheduler.preempts): there a running request that cannot grow waits.
         self.preemption = connector_cls.preempts
@@ -231,7 +281,8 @@ class Engine:
             budget -= num_new
             index += 1
 
-        for req_id in [] if preempted or blocked else list(self.waiting):
+        started: list[str] = []  # the loads started this step
+        for req_id in [] if preempted or blocked else self._waiting_order():
             if budget <= 0:
                 break
             req = self.requests[req_id]
@@ -239,6 +290,7 @@ class Engine:
                 if req_id not in self.finished_recving:
                     continue
                 self._update_waiting_for_remote_kv(req)
+                self._reserve_parked(req)
             hit_blocks: tuple[list[Block], ...] | None = None
             local = external = 0
             load_async = False
@@ -263,7 +315,18 @@ class Engine:
                 )
                 if num_new == 0:
                     break  # no block-aligned chunk fits the budget
-            if not self._allocate_slots(req, num_new, hit_blocks, local, external, load_async):
+            if self.admission.whole_sequence and not self._fits(
+                req,
+                req.num_tokens - req.num_computed_tokens - local - external,
+                hit_blocks,
+                local + external,
+            ):
+                # vLLM's ``full_sequence_must_fit``, checked before the chunk's own count.
+                break
+            reserved = self._reserved() if load_async else 0
+            if not self._allocate_slots(
+                req, num_new, hit_blocks, local, external, load_async, reserved
+            ):
                 break
             self.connector.update_state_after_alloc(
                 req, tuple(list(ids) for ids in self.blocks_of(req_id)), external
@@ -271,16 +334,30 @@ class Engine:
             if load_async:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = local + external
+                self._reserve_parked(req)
                 loading.append(req_id)
+                if self.admission.holders_first and req_id not in self.holders:
+                    started.append(req_id)
                 continue
             req.num_computed_tokens += local + external
+            if self.admission.load_reservations:
+                # Still prefilling after this chunk, or a load just promoted: reserved for
+                # until its prefill ends (vLLM's _inflight_prefills).
+                if req.num_computed_tokens + num_new < req.num_tokens or req_id in self.parked:
+                    self.inflight_prefills.add(req_id)
+                self.parked.pop(req_id, None)
             self.waiting.remove(req_id)
+            if req_id in self.holders:
+                self.holders.remove(req_id)
             self.running.append(req_id)
             req.status = RequestStatus.RUNNING
             new_reqs.append((req_id, tuple(list(ids) for ids in self.blocks_of(req_id))))
             scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
             budget -= num_new
 
+        # At the end of the queue of holders, in the order they started (vLLM re-queues
+        # them after the pass).
+        self.holders += started
         output = SchedulerOutput(
             tuple(new_reqs),
             tuple(cached_reqs),
@@ -295,12 +372,21 @@ class Engine:
         for req_id, (_, end) in scheduled.items():
             req = self.requests[req_id]
             req.num_computed_tokens = end
+            if end >= req.num_tokens:
+                self.inflight_prefills.discard(req_id)
             if end == req.num_tokens:
                 req.append_output(greedy_token(req.all_token_ids))
                 if len(req.output) >= req.max_tokens:
                     self.finish_request(req_id)
                     finished.append(req_id)
         return StepResult(scheduled, tuple(loading), tuple(finished), metadata, tuple(preempted))
+
+    def _waiting_order(self) -> list[str]:
+        """The waiting requests in the order a step considers them: the queue's, or with
+        holders first, the requests whose loads started before the others."""
+        if not self.admission.holders_first:
+            return list(self.waiting)
+        return self.holders + [r for r in self.waiting if r not in self.holders]
 
     def chunk(self, req: Request, num_new: int, num_hit: int) -> int:
         """The tokens of ``num_new`` the step computes for ``req`` (with ``num_hit`` tokens
@@ -344,7 +430,9 @@ class Engine:
         blocks are freed, it starts over from the front of the waiting queue."""
         req = self.requests[request_id]
         self._free_blocks(request_id)
+        self.inflight_prefills.discard(request_id)
         req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
         req.num_computed_tokens = 0
         self.waiting.insert(0, request_id)
 
@@ -356,6 +444,7 @@ class Engine:
         num_local: int = 0,
         num_external: int = 0,
         delay_cache: bool = False,
+        reserved: int = 0,
     ) -> bool:
         """Give ``req`` slots for ``num_new`` more tokens; False when the pool is too small.
 
@@ -368,37 +457,15 @@ class Engine:
         computed = req.num_computed_tokens + num_local + num_external
         if req_id in self.req_to_blocks:
             self.remove_skipped_blocks(req_id, computed)
-        current = self.blocks_of(req_id)
         hits = hit_blocks if hit_blocks is not None else tuple([] for _ in sizes)
-        # Per group, the hit blocks before the window are not taken (the table holds nulls).
-        skipped = [
-            0 if req_id in self.req_to_blocks else self.skipped_blocks(g, computed)
-            for g in range(len(sizes))
-        ]
-        need = [
-            max(0, math.ceil((computed + num_new) / size) - max(skip, len(ids) + len(hit)))
-            for size, ids, hit, skip in zip(sizes, current, hits, skipped, strict=True)
-        ]
         for g in self.mamba_groups:
-            # One block at most: the running state's (vLLM's align-mode physical cap).
-            need[g] = min(
-                1,
-                max(0, math.ceil((computed + num_new) / sizes[g]) - len(current[g]) - len(hits[g])),
-            )
             if hits[g] and self.hit_key(req, g, len(hits[g]) - 1) in self.cached_this_step:
                 # The hit's state is computed by this step's forward: not before the next
                 # step (vLLM's MambaManager reports the pool too small).
                 return False
-        # Hit blocks that sit in the free queue leave it when touched (a Mamba group counts
-        # the hit's state even where the external range passes it, as vLLM's does).
-        evictable = sum(
-            1
-            for g, (hit, skip) in enumerate(zip(hits, skipped, strict=True))
-            for b in (hit if g in self.mamba_groups else hit[skip:])
-            if b.ref_cnt == 0 and not b.is_null
-        )
-        if sum(need) + evictable > self.gpu_pool.num_free_blocks:
+        if not self._fits(req, num_new, hits, num_local + num_external, reserved):
             return False
+        skipped = self._skipped(req_id, computed)
         if req_id not in self.req_to_blocks:
             # First allocation: touch every group's hits before any block is taken, then the
             # blocks of the external range, then the rest (vLLM issue #33775).
@@ -432,6 +499,73 @@ class Engine:
         if not delay_cache:
             self.cache_blocks(req, min(computed + num_new, req.num_tokens))
         return True
+
+    def _skipped(self, req_id: str, computed: int) -> list[int]:
+        """Per group, the hit blocks before the window a first allocation does not take
+        (its table holds nulls there); none once the request has a table."""
+        return [
+            0 if req_id in self.req_to_blocks else self.skipped_blocks(g, computed)
+            for g in range(self.config.num_groups)
+        ]
+
+    def _fits(
+        self,
+        req: Request,
+        num_new: int,
+        hit_blocks: tuple[list[Block], ...] | None,
+        num_hit: int,
+        reserved: int = 0,
+    ) -> bool:
+        """Whether the free blocks but ``reserved`` can take ``num_new`` more tokens of
+        ``req`` after ``num_hit`` tokens hit on ``hit_blocks`` (vLLM's
+        ``get_num_blocks_to_allocate`` against the free count): the new blocks, and the hit
+        blocks that leave the free queue when touched."""
+        sizes = self.config.group_block_sizes
+        computed = req.num_computed_tokens + num_hit
+        current = self.blocks_of(req.request_id)
+        hits = hit_blocks if hit_blocks is not None else tuple([] for _ in sizes)
+        skipped = self._skipped(req.request_id, computed)
+        need = [
+            max(0, math.ceil((computed + num_new) / size) - max(skip, len(ids) + len(hit)))
+            for size, ids, hit, skip in zip(sizes, current, hits, skipped, strict=True)
+        ]
+        for g in self.mamba_groups:
+            # One block at most: the running state's (vLLM's align-mode physical cap).
+            need[g] = min(
+                1,
+                max(0, math.ceil((computed + num_new) / sizes[g]) - len(current[g]) - len(hits[g])),
+            )
+        # Hit blocks that sit in the free queue leave it when touched (a Mamba group counts
+        # the hit's state even where the external range passes it, as vLLM's does).
+        evictable = sum(
+            1
+            for g, (hit, skip) in enumerate(zip(hits, skipped, strict=True))
+            for b in (hit if g in self.mamba_groups else hit[skip:])
+            if b.ref_cnt == 0 and not b.is_null
+        )
+        return sum(need) + evictable <= self.gpu_pool.num_free_blocks - reserved
+
+    def _remaining_blocks(self, req: Request) -> int:
+        """The blocks ``req`` still needs to hold its whole sequence (vLLM's
+        ``_request_remaining_blocks``; full-attention groups)."""
+        return sum(
+            max(0, math.ceil(req.num_tokens / size) - len(ids))
+            for size, ids in zip(
+                self.config.group_block_sizes, self.blocks_of(req.request_id), strict=True
+            )
+        )
+
+    def _reserved(self) -> int:
+        """The blocks an asynchronous load must leave free: what the requests still
+        prefilling and the parked loads need (none without load reservations)."""
+        return sum(self.parked.values()) + sum(
+            self._remaining_blocks(self.requests[r]) for r in self.inflight_prefills
+        )
+
+    def _reserve_parked(self, req: Request) -> None:
+        """Reserve, or refresh, what a parked load needs (vLLM's ``_reserve_parked``)."""
+        if self.admission.load_reservations:
+            self.parked[req.request_id] = self._remaining_blocks(req)
 
     def skipped_blocks(self, group: int, num_computed: int) -> int:
         """Leading blocks of ``group`` no token after ``num_computed`` attends to (0 for
@@ -540,7 +674,8 @@ class Engine:
         if req.num_computed_tokens == req.num_tokens:
             req.num_computed_tokens = req.num_tokens - 1
         self.finished_recving.discard(req.request_id)
-        req.status = RequestStatus.WAITING
+        # A preempted request whose load finished is preempted still, as vLLM says of it.
+        req.status = RequestStatus.PREEMPTED if req.num_preemptions else RequestStatus.WAITING
 
     # -- finish -----------------------------------------------------------------------------
 
@@ -548,6 +683,10 @@ class Engine:
         """Finish (or abort) a request: the connector first, then its GPU blocks."""
         req = self.requests[request_id]
         sizes = self.config.group_block_sizes
+        self.inflight_prefills.discard(request_id)
+        self.parked.pop(request_id, None)
+        if request_id in self.holders:
+            self.holders.remove(request_id)
         loading = req.status is RequestStatus.WAITING_FOR_REMOTE_KVS
         if request_id in self.req_to_blocks and not loading:
             # vLLM's scheduler frees the blocks that left the window before it hands the
@@ -601,7 +740,13 @@ class Engine:
 
     def loads_finished(self, request_ids: set[str]) -> None:
         """Every worker has loaded these requests' blocks."""
-        self.connector.update_connector_output(request_ids, {})
+        self.worker_output(request_ids, {})
+
+    def worker_output(self, request_ids: set[str], stores: dict[int, int]) -> None:
+        """One output of the workers, as vLLM's scheduler takes it: the connector's reports
+        (the loads of ``request_ids`` finished on every worker, then ``stores``' counts),
+        then the requests whose loads finished (vLLM's ``_update_from_kv_xfer_finished``)."""
+        self.connector.update_connector_output(request_ids, stores)
         for req_id in sorted(request_ids):
             req = self.requests[req_id]
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:

@@ -1,6 +1,7 @@
 """vLLM 0.34.0's own ``Scheduler`` (with the SimpleCPUOffload connector its factory builds)
-against the model, step by step: the tokens each step schedules and the connector metadata
-it sends (``kvoffload.upstream.scheduler``; docs/upstream.md). Runs where vLLM 0.34.0 is
+against the model, call by call: the tokens each step schedules, the connector metadata it
+sends, and the snapshot of both pools, the offload manager and the live requests
+(``kvoffload.upstream.scheduler``; docs/upstream.md). The programs run where vLLM 0.34.0 is
 installed, in its release environment."""
 
 from __future__ import annotations
@@ -9,12 +10,15 @@ import textwrap
 from typing import Any
 
 import pytest
+from test_admission import FULL_SEQUENCE, HOLDERS, PREEMPTED_LOAD, RESERVED
 
 from kvoffload.model import OffloadConfig
 from kvoffload.model.errors import InvalidArgumentError
-from kvoffload.upstream.scheduler import VllmScheduler, first_step_difference
+from kvoffload.upstream.scheduler import VllmScheduler, first_difference
 
 from helpers import found_in_release
+
+VARIANT = "inclusive-cpu+window-stale-ids+reset-gpu-only"  # 0.34.0's row
 
 # A request decoding while a second one hits the first one's blocks on the GPU and a third
 # is admitted beside them; every step agrees.
@@ -22,52 +26,51 @@ SHARED = [
     ("add", "a", [0, 1, 2, 3, 4, 5, 6, 0], 3),
     ("add", "b", [0, 1, 2, 3, 4, 5, 6, 0, 2, 2], 2),
     ("add", "c", [1, 1, 1, 1, 1], 2),
-    *[("step", 5)] * 8,
+    *[("step", 5, True)] * 8,
 ]
 # A prompt stored, the GPU pool then filled by another one, the prompt again: its hit comes
-# from the CPU and loads.
+# from the CPU and loads; the load's report held back a step.
 CPU_HIT = [
     ("add", "a", [0, 1, 2, 3, 4, 5, 6, 0, 1], 1),
-    *[("step", 8)] * 3,
+    *[("step", 8, True)] * 3,
     ("add", "f", [3] * 19, 1),
-    *[("step", 8)] * 4,
+    *[("step", 8, True)] * 4,
     ("add", "b", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2], 1),
-    *[("step", 8)] * 4,
+    ("step", 8, False),
+    *[("step", 8, True)] * 3,
 ]
-# vLLM admits a waiting request only if its whole sequence fits the free blocks
-# (``scheduler_reserve_full_isl``, on by default); the model's engine admits it when its
-# first chunk fits. Here r1's 13 tokens need 4 blocks while r0 holds 4 of the 7.
-FULL_SEQUENCE = [
-    ("add", "r0", [5, 6, 0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4, 1], 3),
-    ("add", "r1", [3, 4, 5, 6, 0, 1, 2, 3, 4, 5, 6, 1, 1], 1),
-    ("step", 9),
-    ("step", 15),
-]
-# (configuration, program, vLLM's whole-sequence admission, the difference expected)
-CASES: list[tuple[str, list[tuple[Any, ...]], bool, str | None]] = [
-    ("OffloadConfig(16, 16, (4,), 4)", SHARED, True, None),
-    ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, True, None),
+# (configuration, program, vLLM's whole-sequence admission, the model's, the difference
+# expected: None where the model admits as vLLM does)
+CASES: list[tuple[str, list[tuple[Any, ...]], bool, bool, str | None]] = [
+    ("OffloadConfig(16, 16, (4,), 4)", SHARED, True, True, None),
+    ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, True, True, None),
+    ("OffloadConfig(6, 16, (4,), 4, 2, lazy=True)", CPU_HIT, True, True, None),
+    ("OffloadConfig(8, 16, (4,), 4)", FULL_SEQUENCE, True, True, None),
+    ("OffloadConfig(8, 16, (4,), 4)", FULL_SEQUENCE, False, False, None),
+    # the model admitting on the first chunk where vLLM wants the whole sequence
     (
         "OffloadConfig(8, 16, (4,), 4)",
         FULL_SEQUENCE,
         True,
-        "call 3 ('step', 15): vLLM's scheduler ({'r0': 6}",
+        False,
+        "call 3 ('step', 15, True): the model returned ({'r0': 6, 'r1': 9}",
     ),
-    # with it off, vLLM admits r1 as the model does
-    ("OffloadConfig(8, 16, (4,), 4)", FULL_SEQUENCE, False, None),
+    ("OffloadConfig(5, 2, (4,), 4)", RESERVED, False, False, None),
+    ("OffloadConfig(7, 12, (4,), 4)", HOLDERS, False, False, None),
+    ("OffloadConfig(7, 2, (4,), 4, lazy=True)", PREEMPTED_LOAD, False, False, None),
 ]
 
 
-def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> None:
-    """Each step's scheduled tokens and connector metadata agree, but where vLLM's default
-    admission (the whole sequence must fit) refuses a request the model admits."""
+def test_vllm_schedules_as_the_model_does() -> None:
+    """Each call's result and the snapshot agree where the model admits as vLLM does, and
+    the first difference is named where it does not."""
     script = textwrap.dedent(
         f"""
         import json
         from kvoffload.model import OffloadConfig
-        from kvoffload.upstream.scheduler import first_step_difference
-        for config, program, whole, _ in {CASES!r}:
-            found = first_step_difference(eval(config), program, whole_sequence_admission=whole)
+        from kvoffload.upstream.scheduler import first_difference_between
+        for config, program, theirs, ours, _ in {CASES!r}:
+            found = first_difference_between(eval(config), program, {VARIANT!r}, theirs, ours)
             print(json.dumps({{"found": found}}))
         """
     )
@@ -80,9 +83,31 @@ def test_vllm_schedules_as_the_model_does_but_for_whole_sequence_admission() -> 
             assert got is not None and got.startswith(expected), got
 
 
+def test_the_machine_over_vllms_scheduler_conforms_and_finds_57727() -> None:
+    """A short campaign conforms against 0.34.0's variant, and finds the prefix-cache reset
+    of vLLM #57727 against the model's own rule (the check's disagreement is reachable)."""
+    script = textwrap.dedent(
+        f"""
+        import json
+        from hypothesis import settings
+        from kvoffload.testing import profiles
+        from kvoffload.upstream.scheduler_machine import run_scheduler_check
+        profile = settings(profiles.get("ci"), max_examples=160)
+        for variant in ({VARIANT!r}, "inclusive-cpu+window-stale-ids"):
+            result = run_scheduler_check(variant, profile, None)
+            print(json.dumps({{"found": result["disagreement"]}}))
+        """
+    )
+    conforming, reset = found_in_release("0.34.0", script)
+    assert conforming is None, conforming
+    assert reset is not None and "reset_prefix_cache" in reset, reset
+
+
 def test_the_scheduler_target_refuses_what_it_does_not_drive_yet() -> None:
     # Refused before vLLM is imported: these run without it.
-    with pytest.raises(InvalidArgumentError, match="add and step calls"):
-        first_step_difference(OffloadConfig(8, 8, (4,), 4), [("drain",)])
-    with pytest.raises(InvalidArgumentError, match="one full-attention group in eager mode"):
-        VllmScheduler(OffloadConfig(8, 8, (4,), 4, lazy=True))
+    with pytest.raises(InvalidArgumentError, match="takes calls"):
+        first_difference(OffloadConfig(8, 8, (4,), 4), [("drain",)])
+    with pytest.raises(InvalidArgumentError, match="one full-attention group"):
+        VllmScheduler(OffloadConfig(8, 8, (4, 8), 4))
+    with pytest.raises(InvalidArgumentError, match="kv-cache events"):
+        VllmScheduler(OffloadConfig(8, 8, (4,), 4, kv_events=True))

@@ -84,7 +84,8 @@ def check_release(
     for check, result in zip(checks, results, strict=True):
         verdict = judge(check, result)
         failed += verdict is not None
-        print(f"{parsed.label} vs {check.variant}: {verdict or 'as expected'} ({check.why})")
+        on = " (vLLM's scheduler)" if check.machine == "scheduler" else ""
+        print(f"{parsed.label}{on} vs {check.variant}: {verdict or 'as expected'} ({check.why})")
         verdicts.append(asdict(check) | {"judgement": verdict or "as expected"} | result)
     status = 1 if failed else 0
     if json_path:
@@ -237,6 +238,9 @@ def run_checks(
     results = []
     for check in checks:
         print(f"\n== vllm {version} vs the model variant {check.variant}: {check.why}")
+        if check.machine == "scheduler":
+            results.append(scheduler_check(check, profile, seconds, version))
+            continue
         # A random profile's example database (none under ci) replays this check's
         # earlier failures first, also when the campaign runs for --seconds.
         outcome = run_campaign(
@@ -269,6 +273,24 @@ def run_checks(
             }
         )
     return results
+
+
+def scheduler_check(
+    check: Check, profile: Any, seconds: float | None, version: str
+) -> dict[str, Any]:
+    """``check`` on the machine over vLLM's own scheduler, its verdict printed."""
+    from kvoffload.upstream.scheduler_machine import run_scheduler_check
+
+    result = run_scheduler_check(check.variant, profile, seconds)
+    verdict = "conforms" if result["conforms"] else f"disagrees: {result['disagreement']}"
+    print(
+        f"vLLM's scheduler (in the environment of vllm {version}): {verdict} "
+        f"({result['programs']} programs, {result['driver_calls']} calls, "
+        f"{result['seconds']} s)"
+    )
+    if result["reproducer"]:
+        print(f"reproduce with:\n{result['reproducer']}")
+    return result
 
 
 def warm_up() -> None:

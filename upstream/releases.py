@@ -19,6 +19,10 @@ class Check:
     expect: str  # "conform" or "disagree"
     why: str
     finds: str | None = None
+    # "offload": the conformance machine over vLLM's offload code, the model's engine
+    # scheduling; "scheduler": the machine over vLLM's own scheduler and connector
+    # (kvoffload.upstream.scheduler_machine)
+    machine: str = "offload"
 
 
 @dataclass(frozen=True)
@@ -30,7 +34,9 @@ class Release:
     @property
     def model_variant(self) -> str:
         """The variant the release conforms to."""
-        return next(c.variant for c in self.checks if c.expect == "conform")
+        return next(
+            c.variant for c in self.checks if c.expect == "conform" and c.machine == "offload"
+        )
 
 
 def _conforming(versions: list[str], variant: str, note: str, why: str) -> list[Release]:
@@ -131,6 +137,22 @@ RELEASES = {
                     "disagree",
                     "the prefix-cache reset of #57727 against the model's",
                     finds="reset_prefix_cache",
+                ),
+                # vLLM's own Scheduler and the connector its factory builds, the model's
+                # engine admitting as 0.34.0's scheduler does (issue 12).
+                Check(
+                    "inclusive-cpu+window-stale-ids+reset-gpu-only",
+                    "conform",
+                    "vLLM's own scheduler: the same model, its engine admitting as 0.34's "
+                    "scheduler does",
+                    machine="scheduler",
+                ),
+                Check(
+                    "inclusive-cpu+window-stale-ids",
+                    "disagree",
+                    "vLLM's own scheduler: the prefix-cache reset of #57727 against the model's",
+                    finds="reset_prefix_cache",
+                    machine="scheduler",
                 ),
             ),
         ),

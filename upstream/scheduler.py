@@ -1,35 +1,58 @@
-"""vLLM's own ``Scheduler`` with the SimpleCPUOffload connector its factory builds: the first
-slice of issue 12's second vLLM target.
+"""vLLM's own ``Scheduler`` with the SimpleCPUOffload connector its factory builds: issue
+12's second vLLM target.
 
 Where :class:`kvoffload.upstream.target.VllmOffload` runs the model's engine over vLLM's
 offload scheduler, :class:`VllmScheduler` runs vLLM's whole scheduling loop: its
 ``schedule()`` decides which requests run and how many tokens each computes (FCFS, the token
-budget, chunked prefill, prefix-cache hits, the connector's lookups and loads), builds the
-connector's metadata, and ``update_from_output()`` takes the step's sampled tokens and the
-workers' reports. The adapter plays the model runner: a request that reaches the end of its
-tokens samples the model engine's greedy token, and every store and load the step's metadata
-sends is reported complete by every worker in the same output (the lockstep of the model's
-``drain``). :func:`first_step_difference` runs a program of ``add`` and ``step`` calls on this
-and on the model and names the first step whose scheduled tokens or connector metadata
-differ.
+budget, chunked prefill, admission, preemption, prefix-cache hits, the connector's lookups
+and loads), builds the connector's metadata, and ``update_from_output()`` takes the step's
+sampled tokens and the workers' reports. The adapter plays the model runner: a request that
+reaches the end of its tokens samples the model engine's greedy token, and the stores and
+loads sent are reported complete by every worker, in the step's own output or held back
+to a later step's (``report``). Requests are aborted from outside the step
+(``finish_requests``), and the prefix cache is reset as vLLM's engine resets it (nothing
+preempted, the connector's reset asked or not).
 
-Not yet: snapshots of vLLM's scheduler state, finishes and aborts from outside the step,
-preemption, resets, several groups, and the conformance machine's rules (docs/upstream.md).
-Runs only where vLLM imports (0.34.0's scheduler; a release environment of
-:mod:`kvoffload.upstream.install`).
+Its calls, and the model's for each (:func:`model_call`):
+
+- ``("add", id, prompt, max_tokens[, skip_reading_prefix_cache])``: ``add_request``;
+- ``("step", budget, report)``: one ``schedule()`` with ``budget`` tokens and its output;
+  what it scheduled and sent (:data:`StepView`); ``report``: every store and load sent so
+  far reported complete by every worker in this output (the model: ``step`` then every
+  completion owed);
+- ``("abort", id)``: ``finish_requests(id, FINISHED_ABORTED)`` (the model: ``finish``);
+- ``("reset_prefix_cache", reset_connector)``: ``reset_prefix_cache``, its answer.
+
+After every call the two are compared on the call's result and on the snapshot
+(:func:`kvoffload.upstream.target.manager_snapshot`: both pools, the offload manager's
+state, and each live request's status, tokens and block table as vLLM's scheduler holds
+them). Invariant: a call refused here is refused before vLLM sees it.
+
+Runs only where vLLM imports, on releases whose scheduler has the interface of 0.34.0.
+Not yet driven: several groups (vLLM's hybrid coordinator registers keys only up to the
+scheduler block boundary, the model's engine at every full block: docs/upstream.md),
+decode context parallelism, kv-cache events (vLLM's scheduler publishes the connector's
+events itself).
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from kvoffload.model import OffloadModel
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.engine import greedy_token
+from kvoffload.model.engine import VLLM_ADMISSION, Admission, RequestStatus, greedy_token
 from kvoffload.model.errors import InvalidArgumentError
+from kvoffload.model.keys import prefix_digests
+from kvoffload.model.snapshot import RequestView, Snapshot
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import expected_variant
+from kvoffload.testing.lockstep import Call, as_outcome, describe_difference
+from kvoffload.upstream.keymap import KeyMap
+from kvoffload.upstream.target import manager_snapshot
 from kvoffload.upstream.vllm_world import build, keywords
 
 # What one step shows: tokens scheduled per request, then the store event with its GPU and
@@ -37,20 +60,32 @@ from kvoffload.upstream.vllm_world import build, keywords
 StepView = tuple[
     dict[str, int], int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...], tuple[int, ...]
 ]
+CALLS = ("add", "step", "abort", "reset_prefix_cache")
+
+
+def unsupported(config: OffloadConfig) -> str | None:
+    """Why the scheduler target cannot drive ``config``, or None."""
+    if config.num_groups != 1:
+        # vLLM's hybrid coordinator registers a group's blocks only up to the scheduler
+        # block boundary; the model's engine registers every full block (docs/upstream.md).
+        return "the scheduler target drives one full-attention group so far"
+    if config.dcp_world_size != 1:
+        return "the scheduler target does not drive decode context parallelism yet"
+    if config.kv_events:
+        return "the scheduler target does not compare kv-cache events yet"
+    return None
 
 
 class VllmScheduler:
     """vLLM's ``Scheduler`` and ``SimpleCPUOffloadConnector``, built from the adapter's world
-    for ``config`` (one full-attention group, eager mode). ``whole_sequence_admission``:
-    vLLM's ``scheduler_reserve_full_isl`` (its default, True: a waiting request is admitted
-    only if its whole sequence fits the free blocks; the model's engine admits one whose first
-    chunk fits, as vLLM does with it off)."""
+    for ``config``. ``whole_sequence_admission``: vLLM's ``scheduler_reserve_full_isl`` (its
+    default, True: a waiting request is admitted only if its whole sequence fits the free
+    blocks)."""
 
     def __init__(self, config: OffloadConfig, whole_sequence_admission: bool = True) -> None:
-        if config.num_groups != 1 or config.lazy:
-            raise InvalidArgumentError(
-                "the scheduler target drives one full-attention group in eager mode so far"
-            )
+        why = unsupported(config)
+        if why is not None:
+            raise InvalidArgumentError(why)
         from vllm.config import KVTransferConfig
         from vllm.v1.core.sched.scheduler import Scheduler
         from vllm.v1.structured_output import StructuredOutputManager
@@ -61,40 +96,67 @@ class VllmScheduler:
         vllm_config.kv_transfer_config = KVTransferConfig(
             kv_connector="SimpleCPUOffloadConnector",
             kv_role="kv_both",
-            kv_connector_extra_config={"num_cpu_blocks": config.cpu_blocks},
+            kv_connector_extra_config={
+                "num_cpu_blocks": config.cpu_blocks,
+                "lazy_offload": config.lazy,
+            },
         )
         vllm_config.cache_config.num_gpu_blocks = config.gpu_blocks
         vllm_config.scheduler_config.scheduler_reserve_full_isl = whole_sequence_admission
-        size = config.scheduler_block_size
         self.scheduler: Any = Scheduler(
             vllm_config,
             self.world.kv_cache_config,
             StructuredOutputManager(vllm_config),
-            block_size=size,
+            block_size=config.scheduler_block_size,
             hash_block_size=config.hash_block_size,
         )
+        # Building a connector reconfigures vLLM's loggers at INFO: a refused reset (a
+        # warning) or a connector built (info) per program is noise here.
+        logging.getLogger("vllm").setLevel(logging.ERROR)
+        self.manager: Any = self.scheduler.connector.scheduler_manager
+        # The manager counts store reports up to the world size of the parallel config; a
+        # world of several workers needs no devices on the scheduler side.
+        self.manager._expected_worker_count = config.world_size
+        self.keys = KeyMap(config.hash_block_size)
+        self.requests: dict[str, Any] = {}  # every request added, finished ones too
+        self._unreported_stores: dict[int, int] = {}
+        self._unreported_loads: list[str] = []
 
-    def add_request(self, request_id: str, prompt: Sequence[int], max_tokens: int) -> None:
+    # -- calls ------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str,
+        prompt: Sequence[int],
+        max_tokens: int,
+        skip_reading_prefix_cache: bool = False,
+    ) -> None:
         from vllm.sampling_params import SamplingParams
         from vllm.v1.request import Request
 
-        self.scheduler.add_request(
-            Request(
-                **keywords(
-                    Request,
-                    request_id=request_id,
-                    prompt_token_ids=list(prompt),
-                    sampling_params=SamplingParams(max_tokens=max_tokens, ignore_eos=True),
-                    pooling_params=None,
-                    block_hasher=self.world.block_hasher,
-                    eos_token_id=None,
-                )
+        request = Request(
+            **keywords(
+                Request,
+                request_id=request_id,
+                prompt_token_ids=list(prompt),
+                sampling_params=SamplingParams(
+                    max_tokens=max_tokens,
+                    ignore_eos=True,
+                    skip_reading_prefix_cache=skip_reading_prefix_cache,
+                ),
+                pooling_params=None,
+                block_hasher=self.world.block_hasher,
+                eos_token_id=None,
             )
         )
+        self.requests[request_id] = request
+        self.scheduler.add_request(request)
+        self._learn()
 
-    def step(self, token_budget: int) -> StepView:
+    def step(self, token_budget: int, report: bool = True) -> StepView:
         """One ``schedule()`` with ``token_budget`` tokens, the model runner's output for it,
-        and ``update_from_output()``; what the step scheduled and sent."""
+        and ``update_from_output()``; what the step scheduled and sent. ``report``: the
+        output reports every store and load sent so far (this step's included) complete."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
@@ -110,16 +172,24 @@ class VllmScheduler:
             request = scheduler.requests[rid]
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([greedy_token(list(request.all_token_ids))] if done else [])
-        stores = {meta.store_event: self.config.world_size} if meta.store_event >= 0 else {}
-        loads = (
-            set(meta.load_event_to_reqs.get(meta.load_event, ())) if meta.load_event >= 0 else set()
-        )
+        if meta.store_event >= 0:
+            self._unreported_stores[meta.store_event] = self.config.world_size
+        if meta.load_event >= 0:
+            self._unreported_loads += sorted(meta.load_event_to_reqs.get(meta.load_event, ()))
+        stores: dict[int, int] = {}
+        loads: list[str] = []
+        if report:
+            stores, self._unreported_stores = self._unreported_stores, {}
+            loads, self._unreported_loads = sorted(self._unreported_loads), []
         scheduler.update_from_output(
             output,
             ModelRunnerOutput(
                 req_ids=req_ids,
                 sampled_token_ids=sampled,
                 kv_connector_output=KVConnectorOutput(
+                    # A sorted list where vLLM's executor passes a set: the manager releases
+                    # the loads' CPU blocks in its iteration order, which for a set follows
+                    # string hashing (docs/upstream.md); the model's is sorted.
                     finished_recving=loads,
                     kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(
                         completed_store_events=stores
@@ -127,6 +197,7 @@ class VllmScheduler:
                 ),
             ),
         )
+        self._learn()
         return (
             dict(output.num_scheduled_tokens),
             meta.store_event,
@@ -137,15 +208,68 @@ class VllmScheduler:
             tuple(meta.load_cpu_blocks),
         )
 
+    def abort(self, request_id: str) -> None:
+        from vllm.v1.request import RequestStatus as VllmStatus
 
-def model_step(model: OffloadModel, token_budget: int) -> StepView:
-    """The model's step, its completions reported by every worker right away, seen as
-    :meth:`VllmScheduler.step` shows vLLM's."""
+        self.scheduler.finish_requests(request_id, VllmStatus.FINISHED_ABORTED)
+
+    def reset_prefix_cache(self, reset_connector: bool) -> bool:
+        """vLLM's engine's reset: no running request preempted, the connector's reset asked
+        for or not."""
+        return bool(
+            self.scheduler.reset_prefix_cache(
+                reset_running_requests=False, reset_connector=reset_connector
+            )
+        )
+
+    def live_requests(self) -> list[str]:
+        return [r for r, req in self.scheduler.requests.items() if not req.is_finished()]
+
+    # -- state ------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """Both pools, the offload manager's state, and each live request as vLLM's scheduler
+        holds it (statuses by their names, lower case, as the model's)."""
+        manager = self.scheduler.kv_cache_manager
+        requests = tuple(
+            RequestView(
+                req_id,
+                req.status.name.lower(),
+                req.num_tokens,
+                req.num_computed_tokens,
+                tuple(req.output_token_ids),
+                _table(manager.get_block_ids(req_id)),
+            )
+            for req_id, req in sorted(self.scheduler.requests.items())
+            if not req.is_finished()
+        )
+        return manager_snapshot(self.manager, manager.block_pool, self.keys, requests)
+
+    def _learn(self) -> None:
+        """Pair vLLM's hashes of every request with the model's digests of its tokens."""
+        size = self.config.hash_block_size
+        for request in self.requests.values():
+            hashes = request.block_hashes
+            digests = prefix_digests(list(request.all_token_ids), size)
+            n = min(len(hashes), len(digests))
+            self.keys.learn(digests[:n], hashes[:n])
+
+
+def _table(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
+    """A block table as the model's snapshot has it: none while every group's is empty."""
+    table = tuple(tuple(ids) for ids in block_ids)
+    return table if any(table) else ()
+
+
+# -- the model's side -----------------------------------------------------------------------
+
+
+def model_step(model: OffloadModel, token_budget: int, report: bool = True) -> StepView:
+    """The model's step, and with ``report`` every completion owed reported by every
+    worker, seen as :meth:`VllmScheduler.step` shows vLLM's."""
     result = model.step(token_budget)
-    for event, worker in model.outstanding("store"):
-        model.complete_store(event, worker)
-    for event, worker in model.outstanding("load"):
-        model.complete_load(event, worker)
+    if report:
+        model.complete_all()
     meta = result.metadata
     return (
         {rid: end - start for rid, (start, end) in result.scheduled.items()},
@@ -158,27 +282,111 @@ def model_step(model: OffloadModel, token_budget: int) -> StepView:
     )
 
 
-def first_step_difference(
+def model_call(model: OffloadModel, call: Call) -> object:
+    """``call`` on the model; its result as :func:`vllm_call` gives vLLM's."""
+    name, *args = call
+    if name == "add":
+        model.add_request(*args)
+        return None
+    if name == "step":
+        return model_step(model, *args)
+    if name == "abort":
+        model.finish(args[0])
+        return None
+    return model.reset_prefix_cache(args[0])
+
+
+def vllm_call(target: VllmScheduler, call: Call) -> object:
+    name, *args = call
+    if name == "add":
+        target.add_request(*args)
+        return None
+    if name == "step":
+        return target.step(*args)
+    if name == "abort":
+        target.abort(args[0])
+        return None
+    return target.reset_prefix_cache(args[0])
+
+
+def model_snapshot(model: OffloadModel) -> Snapshot:
+    """The model's snapshot as the scheduler target shows one: finished requests are gone
+    from vLLM's scheduler."""
+    snap = model.snapshot()
+    live = tuple(r for r in snap.requests if r.status != RequestStatus.FINISHED.value)
+    return Snapshot(**{**snap.__dict__, "requests": live})
+
+
+def admission(whole_sequence: bool) -> Admission:
+    """The model's admission for vLLM 0.34.0's scheduler with ``scheduler_reserve_full_isl``
+    as ``whole_sequence`` says (its reservations and queue of loads are always on)."""
+    return replace(VLLM_ADMISSION, whole_sequence=whole_sequence)
+
+
+def require_call(call: Call) -> None:
+    if not call or call[0] not in CALLS:
+        raise InvalidArgumentError(f"the scheduler target takes calls {CALLS}, got {call}")
+
+
+def compare_call(model: OffloadModel, target: VllmScheduler, call: Call, n: int) -> str | None:
+    """Apply ``call`` to both and describe the first difference, or None."""
+    require_call(call)
+    try:
+        expected: object = model_call(model, call)
+    except Exception as error:
+        expected = as_outcome(error)
+    try:
+        actual: object = vllm_call(target, call)
+    except Exception as error:
+        actual = as_outcome(error)
+    head = f"call {n} {call}"
+    if expected != actual:
+        return f"{head}: the model returned {expected!r}, vLLM's scheduler {actual!r}"
+    mine, theirs = model_snapshot(model), target.snapshot()
+    if mine == theirs:
+        return None
+    fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
+    details = "; ".join(
+        describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
+    )
+    return f"{head}: snapshots differ in {fields}: {details}"
+
+
+def first_difference(
     config: OffloadConfig,
-    program: Sequence[tuple[Any, ...]],
+    program: Sequence[Call],
     variant: str | None = None,
     whole_sequence_admission: bool = True,
 ) -> str | None:
-    """Run ``program`` (``("add", id, prompt, max_tokens)`` and ``("step", budget)`` calls)
-    on vLLM's scheduler and on ``variant`` of the model (default: the running release's, as
-    the release table names it); the first step whose view differs, or None."""
+    """Run ``program`` on vLLM's scheduler and on ``variant`` of the model (default: the
+    running release's, as the release table names it), both admitting as
+    ``whole_sequence_admission`` says (``model_admission`` of the model may differ: see
+    :func:`first_difference_between`); the first difference, or None."""
+    return first_difference_between(
+        config, program, variant, whole_sequence_admission, whole_sequence_admission
+    )
+
+
+def first_difference_between(
+    config: OffloadConfig,
+    program: Sequence[Call],
+    variant: str | None,
+    vllm_admission: bool,
+    model_admission: bool,
+) -> str | None:
+    """:func:`first_difference` with vLLM's admission and the model's set apart."""
     for call in program:
-        if call[0] not in ("add", "step"):
-            raise InvalidArgumentError(f"the scheduler target takes add and step calls, got {call}")
-    vllm = VllmScheduler(config, whole_sequence_admission)
+        require_call(call)
+    target = VllmScheduler(config, vllm_admission)
     compared_with = variant or expected_variant("vllm")
-    model = OffloadModel(config, variant=compared_with, check=keeps_invariants(compared_with))
+    model = OffloadModel(
+        config,
+        variant=compared_with,
+        check=keeps_invariants(compared_with),
+        admission=admission(model_admission),
+    )
     for n, call in enumerate(program):
-        if call[0] == "add":
-            vllm.add_request(*call[1:])
-            model.add_request(*call[1:])
-            continue
-        theirs, ours = vllm.step(call[1]), model_step(model, call[1])
-        if theirs != ours:
-            return f"call {n} {call}: vLLM's scheduler {theirs}, the model {ours}"
+        found = compare_call(model, target, call, n)
+        if found:
+            return found
     return None

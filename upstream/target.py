@@ -277,22 +277,29 @@ def _load(state: Any) -> LoadView:
 
 
 def take_snapshot(engine: VllmEngine) -> Snapshot:
-    m = engine.world.scheduler
-    keys = engine.keys
+    requests = tuple(
+        RequestView(
+            req_id,
+            req.status.value,
+            req.vllm.num_tokens,
+            req.vllm.num_computed_tokens,
+            tuple(req.vllm.output_token_ids),
+            tuple(tuple(ids) for ids in engine.req_to_blocks.get(req_id, [])),
+        )
+        for req_id, req in sorted(engine.vllm_requests().items())
+    )
+    return manager_snapshot(engine.world.scheduler, engine.world.gpu_pool, engine.keys, requests)
+
+
+def manager_snapshot(
+    m: Any, gpu_pool: Any, keys: KeyMap, requests: tuple[RequestView, ...]
+) -> Snapshot:
+    """The snapshot of vLLM's offload manager ``m`` over ``gpu_pool``, with the request
+    views of whoever schedules (the model's engine, or vLLM's own scheduler)."""
     return Snapshot(
-        gpu=pool_view(engine.world.gpu_pool, keys, stamped_without_count=False),
+        gpu=pool_view(gpu_pool, keys, stamped_without_count=False),
         cpu=pool_view(m.cpu_block_pool, keys, stamped_without_count=True),
-        requests=tuple(
-            RequestView(
-                req_id,
-                req.status.value,
-                req.vllm.num_tokens,
-                req.vllm.num_computed_tokens,
-                tuple(req.vllm.output_token_ids),
-                tuple(tuple(ids) for ids in engine.req_to_blocks.get(req_id, [])),
-            )
-            for req_id, req in sorted(engine.vllm_requests().items())
-        ),
+        requests=requests,
         tracked=tuple(
             StoreTrackView(
                 req_id,

@@ -12,7 +12,8 @@ is held to 0.34.0's expectations). ``--expect conform`` keeps only the check it 
 to; ``--expect VARIANT`` holds it to that model variant instead.
 
 Invariant: every target names a version or says it has none, and its checks are exactly one
-``conform`` check plus, for a release with known bugs, the checks that must find them.
+``conform`` check of the offload machine (and, where the row has one, of the machine over
+vLLM's own scheduler) plus, for a release with known bugs, the checks that must find them.
 """
 
 from __future__ import annotations

@@ -1,0 +1,262 @@
+"""The conformance machine over vLLM's own scheduler (:mod:`kvoffload.upstream.scheduler`):
+random programs of requests, steps, aborts and resets drive vLLM's ``Scheduler`` with its
+SimpleCPUOffload connector and the model in lockstep, compared after every call.
+
+Draws as the conformance machine's (:mod:`kvoffload.testing.stateful`), so that shrinking
+works and the rare paths happen: prompts from three stems and earlier prompts again (GPU and
+CPU hits), tiny pools (eviction, failed allocation, preemption, the CPU pool full), small
+budgets (chunked prefill), up to three workers, lazy mode one program in three, requests
+that skip reading the prefix cache, vLLM's whole-sequence admission on or off. Each step
+reports the stores and loads sent so far complete, or (one step in four) holds them back to a
+later step's output.
+
+A check of the release table names this machine with ``machine="scheduler"``
+(:mod:`kvoffload.upstream.releases`); ``kvoffload verify --target vllm==X`` runs it beside the
+offload target, in the same measured process.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, ClassVar
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.errors import Flaky
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from kvoffload.model import OffloadConfig, OffloadModel, SetupError
+from kvoffload.model.variants import keeps_invariants
+from kvoffload.testing.lockstep import Call, as_outcome
+from kvoffload.testing.stateful import PROMPTS, SKIP_READING, TAILS, Recorder
+from kvoffload.upstream.scheduler import VllmScheduler, admission, compare_call
+
+# One full-attention group of blocks of 4 or 8 (vLLM's one-group coordinator hashes whole
+# blocks only).
+LAYOUTS = [((4,), 4), ((8,), 8)]
+BUDGETS = st.integers(1, 24)
+SETTLE_ROUNDS = 12
+# Stores and loads reported in the step's own output three steps in four.
+REPORTS = st.integers(0, 3).map(lambda n: n != 3)
+# Longer decodes than the offload machine's: running requests that grow preempt others.
+MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 12))
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    """Subclass with ``variant`` and ``recorder`` set, or use :func:`scheduler_machine`."""
+
+    variant: ClassVar[str]
+    recorder: ClassVar[Recorder]
+
+    @initialize(
+        layout=st.sampled_from(LAYOUTS),
+        gpu_blocks=st.integers(4, 10),
+        cpu_blocks=st.one_of(st.integers(2, 4), st.integers(12, 32)),
+        world_size=st.integers(1, 3),
+        lazy=st.integers(0, 2).map(lambda n: n == 2),
+        whole=st.booleans(),
+        first=PROMPTS,
+    )
+    def setup(
+        self,
+        layout: tuple[tuple[int, ...], int],
+        gpu_blocks: int,
+        cpu_blocks: int,
+        world_size: int,
+        lazy: bool,
+        whole: bool,
+        first: list[int],
+    ) -> None:
+        self.started = time.perf_counter()
+        sizes, hbs = layout
+        self.config = OffloadConfig(gpu_blocks, cpu_blocks, sizes, hbs, world_size, lazy)
+        self.whole = whole
+        variant = type(self).variant
+        self.model = OffloadModel(
+            self.config,
+            variant=variant,
+            check=keeps_invariants(variant),
+            admission=admission(whole),
+        )
+        try:
+            self.target = VllmScheduler(self.config, whole)
+        except Exception as error:
+            raise SetupError(
+                f"vLLM's scheduler cannot be built for {self.config}: {as_outcome(error)}"
+            ) from error
+        self.program: list[Call] = []
+        self.prompts: list[list[int]] = []
+        self.next_id = 0
+        self.rule_steps = 0
+        type(self).recorder.programs += 1
+        type(self).recorder.failure = None
+        self.admit(first, 2, False, "add_request", continued=False)
+
+    def run(self, call: Call, rule_name: str, continued: bool = False) -> None:
+        rec = type(self).recorder
+        rec.steps += 1
+        self.program.append(call)
+        if not continued:
+            rec.count(rec.rules, rule_name)
+            self.rule_steps += 1
+            rec.rule_steps += 1
+        found = compare_call(self.model, self.target, call, len(self.program) - 1)
+        if found:
+            if rec.first_failure is None:
+                rec.first_failure = time.perf_counter() - rec.started
+                rec.first_failing_program = rec.programs
+            rec.failure = {
+                "disagreement": found,
+                "config": repr(self.config),
+                "whole_sequence_admission": self.whole,
+                "variant": type(self).variant,
+                "program": list(self.program),
+                "rules": self.rule_steps,
+            }
+            raise AssertionError(f"{found}\n\nreproduce with:\n{reproducer(rec.failure)}")
+
+    def teardown(self) -> None:
+        if hasattr(self, "program"):
+            type(self).recorder.timed(
+                "scheduler", len(self.program), time.perf_counter() - self.started
+            )
+
+    def admit(
+        self, tokens: list[int], max_tokens: int, skip: bool, rule_name: str, continued: bool
+    ) -> None:
+        # Three live requests at most, each able to run alone (blocks for its prompt and
+        # outputs, the null block aside), so that preemption ends.
+        need = -(-(len(tokens) + max_tokens) // self.config.group_block_sizes[0])
+        if len(self.model.live_requests()) >= 3 or need >= self.config.gpu_blocks:
+            return
+        call: Call = ("add", f"r{self.next_id}", tokens, max_tokens)
+        self.run((*call, True) if skip else call, rule_name, continued)
+        self.prompts.append(tokens)
+        self.next_id += 1
+
+    @rule(tokens=PROMPTS, max_tokens=MAX_TOKENS, skip=SKIP_READING)
+    def add_request(self, tokens: list[int], max_tokens: int, skip: bool) -> None:
+        self.admit(tokens, max_tokens, skip, "add_request", continued=False)
+
+    # An earlier prompt again, as it was or with a new tail: GPU and CPU hits.
+    @precondition(lambda self: bool(self.prompts))
+    @rule(data=st.data(), tail=TAILS, max_tokens=MAX_TOKENS, skip=SKIP_READING)
+    def repeat_request(
+        self, data: st.DataObject, tail: list[int], max_tokens: int, skip: bool
+    ) -> None:
+        earlier = data.draw(st.sampled_from(self.prompts))
+        self.admit(earlier + tail, max_tokens, skip, "repeat_request", continued=False)
+
+    @rule(budget=BUDGETS, steps=st.integers(1, 3), report=REPORTS)
+    def step(self, budget: int, steps: int, report: bool) -> None:
+        for n in range(steps):
+            self.run(("step", budget, report), "step", continued=n > 0)
+
+    # Steps with every report until no request is live: a prompt computed, stored and out
+    # of the GPU's way in one rule, so that repeats find it on the CPU.
+    @rule(budget=st.integers(8, 32))
+    def settle(self, budget: int) -> None:
+        self.settle_steps(budget, "settle", first=True)
+
+    def settle_steps(self, budget: int, rule_name: str, first: bool) -> None:
+        for n in range(SETTLE_ROUNDS):
+            if not self.model.live_requests() and not self.model.has_pending_stores():
+                return
+            self.run(("step", budget, True), rule_name, continued=not (first and n == 0))
+
+    # Earlier prompts loaded back from the CPU: the engine runs idle, the GPU's prefix cache
+    # is reset (the CPU's kept), and one or two earlier prompts come again, then a step of a
+    # small budget whose loads are not yet reported. Two loads in flight, or one beside a
+    # chunked prefill, meet vLLM's reservations for asynchronous loads.
+    @precondition(lambda self: bool(self.prompts))
+    @rule(
+        data=st.data(),
+        count=st.integers(1, 2),
+        tail=TAILS,
+        max_tokens=MAX_TOKENS,
+        budget=st.integers(1, 12),
+    )
+    def reload(
+        self, data: st.DataObject, count: int, tail: list[int], max_tokens: int, budget: int
+    ) -> None:
+        rule_steps = self.rule_steps
+        self.settle_steps(32, "reload", first=True)
+        self.run(("reset_prefix_cache", False), "reload", continued=self.rule_steps > rule_steps)
+        for _ in range(count):
+            earlier = data.draw(st.sampled_from(self.prompts))
+            self.admit(earlier + tail, max_tokens, False, "reload", continued=True)
+        self.run(("step", budget, False), "reload", continued=True)
+
+    @precondition(lambda self: bool(self.model.live_requests()))
+    @rule(data=st.data())
+    def abort(self, data: st.DataObject) -> None:
+        self.run(("abort", data.draw(st.sampled_from(self.model.live_requests()))), "abort")
+
+    @rule(reset_connector=st.booleans())
+    def reset_prefix_cache(self, reset_connector: bool) -> None:
+        self.run(("reset_prefix_cache", reset_connector), "reset_prefix_cache")
+
+
+def scheduler_machine(variant: str, recorder: Recorder) -> type[SchedulerMachine]:
+    return type(
+        "VllmSchedulerMachine",
+        (SchedulerMachine,),
+        {"variant": variant, "recorder": recorder},
+    )
+
+
+def reproducer(failure: dict[str, Any]) -> str:
+    """A runnable program that replays ``failure`` (a ``first_difference`` call)."""
+    return (
+        "from kvoffload.model import OffloadConfig\n"
+        "from kvoffload.upstream.scheduler import first_difference\n\n"
+        f"program = {failure['program']!r}\n"
+        f"print(first_difference({failure['config']}, program, {failure['variant']!r}, "
+        f"whole_sequence_admission={failure['whole_sequence_admission']}))\n"
+    )
+
+
+def run_scheduler_check(variant: str, profile: settings, seconds: float | None) -> dict[str, Any]:
+    """The machine over vLLM's scheduler against ``variant`` of the model, for ``profile``'s
+    examples (a quarter of them: a program here costs about four of the offload target's),
+    or in batches for ``seconds``; the result as :func:`kvoffload.upstream.check.run_checks`
+    reports one."""
+    recorder = Recorder()
+    machine = scheduler_machine(variant, recorder)
+    examples = max(1, profile.max_examples // 4)
+    batch = settings(profile, max_examples=25 if seconds else examples)
+    start = time.perf_counter()
+    failure: dict[str, Any] | None = None
+    while True:
+        try:
+            run_state_machine_as_test(machine, settings=batch)
+        except (AssertionError, Flaky):
+            failure = recorder.failure
+            if failure is None:
+                raise
+        elapsed = time.perf_counter() - start
+        if failure is not None or not seconds or elapsed >= seconds:
+            break
+    return {
+        "variant": variant,
+        "machine": "scheduler",
+        "conforms": failure is None,
+        "seconds": round(elapsed, 1),
+        "seed": None,
+        "programs": recorder.programs,
+        "rule_steps": recorder.rule_steps,
+        "driver_calls": recorder.steps,
+        "rules": dict(sorted(recorder.rules.items())),
+        "seconds_to_first_failure": recorder.first_failure,
+        "programs_to_first_failure": recorder.first_failing_program,
+        "disagreement": None if failure is None else failure["disagreement"],
+        "failure": failure,
+        "reproducer": None if failure is None else reproducer(failure),
+        "saved": None,
+    }
