@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.engine import FIRST_CHUNK_ADMISSION, Admission, Engine, RequestStatus
+from kvoffload.model.engine import REDUCED_SCHEDULING, Engine, RequestStatus, Scheduling
 from kvoffload.model.errors import (
     ConfigError,
     InvalidArgumentError,
@@ -43,16 +43,16 @@ class OffloadModel:
         config: OffloadConfig,
         variant: str = "fixed",
         check: bool = False,
-        admission: Admission = FIRST_CHUNK_ADMISSION,
+        scheduling: Scheduling = REDUCED_SCHEDULING,
     ) -> None:
-        """``admission``: what the engine requires of a waiting request beyond the blocks of
+        """``scheduling``: what the engine requires of a waiting request beyond the blocks of
         its first chunk (none by default; vLLM 0.34.0's own scheduler:
-        :data:`~kvoffload.model.engine.VLLM_ADMISSION`)."""
+        :data:`~kvoffload.model.engine.VLLM_SCHEDULING`)."""
         if not is_variant(variant):
             raise ConfigError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
         self.config = config
         self.variant = variant
-        self.engine = Engine(config, scheduler_class(variant), admission)
+        self.engine = Engine(config, scheduler_class(variant), scheduling)
         self.checked = check
         self._store_reports: dict[int, set[int]] = {}
         self._load_reports: dict[int, set[int]] = {}
@@ -190,15 +190,27 @@ class OffloadModel:
         self._end()
         return result
 
-    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
-        """vLLM's ``Scheduler.reset_prefix_cache`` (no running request preempted): the GPU
-        prefix cache is cleared if no block is in use, then, with ``reset_connector``, the
-        connector's ``reset()``. True only if afterwards neither tier serves a hit: without
-        ``reset_connector`` a CPU tier that still holds keys makes it False (vLLM issue
-        #57727: vLLM reports the GPU's reset alone)."""
+    def reset_prefix_cache(
+        self, reset_connector: bool = False, reset_running_requests: bool = False
+    ) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache``: with ``reset_running_requests`` (a
+        trainer's weight update in the middle of generation) every running request is
+        preempted first; the GPU prefix cache is cleared if no block is in use, then, with
+        ``reset_connector``, the connector's ``reset()``. True only if afterwards neither tier
+        serves a hit: without ``reset_connector`` a CPU tier that still holds keys makes it
+        False (vLLM issue #57727: vLLM reports the GPU's reset alone). Preempting cannot free
+        a block a load or a transfer holds: such a reset is refused before anything changes
+        (vLLM preempts, then raises)."""
         flag = require_flag("reset_connector", reset_connector)
+        running = require_flag("reset_running_requests", reset_running_requests)
+        kept = self.engine.blocks_kept_from_reset() if running else []
+        if kept:
+            raise InvalidArgumentError(
+                f"reset_prefix_cache(reset_running_requests=True) cannot free GPU blocks {kept}: "
+                "a load or a transfer holds them, and vLLM raises once it has preempted"
+            )
         self._begin()
-        result = self.engine.reset_prefix_cache(flag)
+        result = self.engine.reset_prefix_cache(flag, running)
         self._end()
         return result
 

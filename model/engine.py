@@ -21,13 +21,15 @@ with its whole block table (the shape of vLLM's newer model runner, 0.34.0's onl
 Against the models of vLLM before 0.24.0 (whose pool cannot take what follows a preemption,
 ``OffloadScheduler.preempts``) a running request that cannot grow waits instead.
 
-Admission (:class:`Admission`): a waiting request is admitted when the blocks of its first
-chunk fit. vLLM 0.34.0's own scheduler adds two gates and an order (full-attention groups only:
-vLLM caps the counts of the others by their windows and chunks, not modelled): the blocks of
-the whole sequence must fit too (``scheduler_reserve_full_isl``), and a request whose hit loads
-asynchronously is admitted only beside the blocks that the requests still prefilling and
-the loads parked still need to hold their whole sequences (``reserved_blocks``); and a
-request whose load has started waits in a queue of its own, taken before the others.
+Scheduling (:class:`Scheduling`): a waiting request is admitted when the blocks of its first
+chunk fit, and a block's key is registered as the block fills. vLLM 0.34.0's own scheduler
+and KV cache manager add (full-attention groups only: vLLM caps the counts of the others by
+their windows and chunks, not modelled): the blocks of the whole sequence must fit too
+(``scheduler_reserve_full_isl``); a request whose hit loads asynchronously is admitted only
+beside the blocks that the requests still prefilling and the loads parked still need to hold
+their whole sequences (``reserved_blocks``); a request whose load has started waits in a
+queue of its own, taken before the others; keys are registered up to the scheduler block
+boundary only; and the prompt tail is the last boundary a resend can hit.
 
 Mamba groups (align mode, no speculative blocks, no prefill checkpoints): a request's table
 holds the null block everywhere but at its running state's block and, until the next
@@ -90,28 +92,41 @@ class RequestStatus(StrEnum):
 
 
 @dataclass(frozen=True)
-class Admission:
-    """What the engine requires of a waiting request before it admits it, beyond the blocks
-    of its first chunk. ``whole_sequence``: the free blocks hold its whole sequence (vLLM's
-    ``scheduler_reserve_full_isl``). ``load_reservations``: a request whose hit loads
-    asynchronously fits beside the blocks reserved for the requests still prefilling and the
-    loads parked (vLLM 0.34.0's ``_inflight_prefill_reserved_blocks``). ``holders_first``:
-    the requests whose loads started come first. All are on in vLLM 0.34.0's own scheduler
-    (:data:`VLLM_ADMISSION`); the conformance machine's engine has none."""
+class Scheduling:
+    """Where the engine's scheduling follows vLLM 0.34.0's own scheduler and KV cache manager
+    rather than the reduced engine the conformance machine drives (whose programs and
+    figures were recorded with none of these). ``whole_sequence``: a waiting request is
+    admitted only when the free blocks hold its whole sequence (vLLM's
+    ``scheduler_reserve_full_isl``), not as soon as its first chunk fits.
+    ``load_reservations``: a request whose hit loads asynchronously fits beside the blocks
+    reserved for the requests still prefilling and the loads parked (vLLM's
+    ``_inflight_prefill_reserved_blocks``). ``holders_first``: the requests whose loads
+    started are taken first (vLLM's ``kv_holding_waiting``). ``aligned_caching``: a group's
+    blocks get their keys only up to the scheduler block boundary (vLLM's hybrid
+    coordinator without fine-grained hits, ``_align_cacheable``), not each as it fills.
+    ``resend_tail``: the prompt tail a block of several hash blocks registers ends on the
+    last hash boundary before the prompt's last token (vLLM 0.33.0 on), not the prompt's
+    last hash boundary. All are on in vLLM 0.34.0 (:data:`VLLM_SCHEDULING`)."""
 
     whole_sequence: bool = False
     load_reservations: bool = False
-    # Requests that hold blocks (their loads started) are taken before every other waiting
-    # request, in the order their loads started (vLLM 0.34.0's kv_holding_waiting queue).
     holders_first: bool = False
+    aligned_caching: bool = False
+    resend_tail: bool = False
 
     @property
     def gated(self) -> bool:
         return self.whole_sequence or self.load_reservations
 
 
-FIRST_CHUNK_ADMISSION = Admission()
-VLLM_ADMISSION = Admission(whole_sequence=True, load_reservations=True, holders_first=True)
+REDUCED_SCHEDULING = Scheduling()
+VLLM_SCHEDULING = Scheduling(
+    whole_sequence=True,
+    load_reservations=True,
+    holders_first=True,
+    aligned_caching=True,
+    resend_tail=True,
+)
 
 
 @dataclass
@@ -180,21 +195,23 @@ class Engine:
         self,
         config: OffloadConfig,
         connector_cls: type[OffloadScheduler] = OffloadScheduler,
-        admission: Admission = FIRST_CHUNK_ADMISSION,
+        scheduling: Scheduling = REDUCED_SCHEDULING,
     ) -> None:
-        if admission.gated and not all(config.full_attention(g) for g in range(config.num_groups)):
+        if scheduling.gated and not all(config.full_attention(g) for g in range(config.num_groups)):
             raise ConfigError(
                 "vLLM's admission gates are modelled for full-attention groups only: vLLM "
                 "caps the blocks of sliding-window, chunked local and Mamba groups"
             )
         self.config = config
-        self.admission = admission
+        self.scheduling = scheduling
         # Under load reservations: the requests still prefilling after their last chunk
         # (vLLM's _inflight_prefills), and the blocks reserved for each parked load.
         self.inflight_prefills: set[str] = set()
         self.parked: dict[str, int] = {}
         # Under holders first: the waiting requests whose loads started, in that order.
         self.holders: list[str] = []
+        # The requests a prefix-cache reset preempted, for the next step's output.
+        self.reset_preempted: list[str] = []
         # The machine draws no preemption against the releases whose pool cannot take it
         # (OffloadScheduler.preempts): there a running request that cannot grow waits.
         self.preemption = connector_cls.preempts
@@ -315,7 +332,7 @@ class Engine:
                 )
                 if num_new == 0:
                     break  # no block-aligned chunk fits the budget
-            if self.admission.whole_sequence and not self._fits(
+            if self.scheduling.whole_sequence and not self._fits(
                 req,
                 req.num_tokens - req.num_computed_tokens - local - external,
                 hit_blocks,
@@ -336,11 +353,11 @@ class Engine:
                 req.num_computed_tokens = local + external
                 self._reserve_parked(req)
                 loading.append(req_id)
-                if self.admission.holders_first and req_id not in self.holders:
+                if self.scheduling.holders_first and req_id not in self.holders:
                     started.append(req_id)
                 continue
             req.num_computed_tokens += local + external
-            if self.admission.load_reservations:
+            if self.scheduling.load_reservations:
                 # Still prefilling after this chunk, or a load just promoted: reserved for
                 # until its prefill ends (vLLM's _inflight_prefills).
                 if req.num_computed_tokens + num_new < req.num_tokens or req_id in self.parked:
@@ -362,9 +379,11 @@ class Engine:
             tuple(new_reqs),
             tuple(cached_reqs),
             {req_id: end - start for req_id, (start, end) in scheduled.items()},
-            frozenset(preempted),
+            # with those a prefix-cache reset preempted since the last step
+            frozenset(preempted) | frozenset(self.reset_preempted),
             self.take_boundary_offers(),
         )
+        self.reset_preempted.clear()
         metadata = self.connector.build_connector_meta(output)
         # Computed tokens advance only after the connector has seen the step, so a block
         # computed in step N is confirmed in step N + 1.
@@ -384,7 +403,7 @@ class Engine:
     def _waiting_order(self) -> list[str]:
         """The waiting requests in the order a step considers them: the queue's, or with
         holders first, the requests whose loads started before the others."""
-        if not self.admission.holders_first:
+        if not self.scheduling.holders_first:
             return list(self.waiting)
         return self.holders + [r for r in self.waiting if r not in self.holders]
 
@@ -403,10 +422,16 @@ class Engine:
             req.shared_prefix_boundary,
         )
 
-    def reset_prefix_cache(self, reset_connector: bool) -> bool:
-        """vLLM's ``Scheduler.reset_prefix_cache`` without preempting: the GPU pool's reset
-        (refused while any block is in use), then the connector's, asked or not; the answer
-        is whether neither tier serves a hit now."""
+    def reset_prefix_cache(self, reset_connector: bool, reset_running: bool = False) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache``: with ``reset_running``, every running
+        request preempted first (from the last, so that they wait in their order; the next
+        step tells the connector); the GPU pool's reset (refused while any block is in use),
+        then the connector's, asked or not; the answer is whether neither tier serves a hit
+        now."""
+        while reset_running and self.running:
+            victim = self.running.pop()
+            self._preempt(victim)
+            self.reset_preempted.append(victim)
         gpu = self.gpu_pool.reset_prefix_cache()
         if reset_connector:
             # As vLLM's: the connector is reset even when the GPU's reset was refused.
@@ -415,6 +440,22 @@ class Engine:
             result = gpu and self.connector.serves_nothing()
         self.connector.prefix_reset_log.append(result)
         return result
+
+    def blocks_kept_from_reset(self) -> list[int]:
+        """The GPU blocks in use that preempting every running request would not free (held
+        by a waiting request's load, a transfer, a request being finished)."""
+        held: dict[int, int] = {}
+        null = self.gpu_pool.null_block.block_id
+        for req_id in self.running:
+            for ids in self.req_to_blocks.get(req_id, []):
+                for block_id in ids:
+                    if block_id != null:
+                        held[block_id] = held.get(block_id, 0) + 1
+        return [
+            b.block_id
+            for b in self.gpu_pool.blocks
+            if b.block_id != null and b.ref_cnt > held.get(b.block_id, 0)
+        ]
 
     def take_boundary_offers(self) -> tuple[tuple[str, tuple[tuple[int, int, int], ...]], ...]:
         """Drain the step's boundary-state hand-offs, per request in the order of its first
@@ -564,7 +605,7 @@ class Engine:
 
     def _reserve_parked(self, req: Request) -> None:
         """Reserve, or refresh, what a parked load needs (vLLM's ``_reserve_parked``)."""
-        if self.admission.load_reservations:
+        if self.scheduling.load_reservations:
             self.parked[req.request_id] = self._remaining_blocks(req)
 
     def skipped_blocks(self, group: int, num_computed: int) -> int:
@@ -594,6 +635,10 @@ class Engine:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Register the keys of ``req``'s full blocks up to ``num_tokens``, and its prompt tail."""
         hbs = self.config.hash_block_size
+        if self.scheduling.aligned_caching:
+            # vLLM's hybrid coordinator: only what a hit could end on (one group: its blocks).
+            size = self.config.scheduler_block_size
+            num_tokens = num_tokens // size * size
         for g, size in enumerate(self.config.group_block_sizes):
             ids = self.req_to_blocks[req.request_id][g]
             blocks = [self.gpu_pool.blocks[i] for i in ids]
@@ -611,6 +656,10 @@ class Engine:
             # that block: as its primary while the block is partial, as a secondary key once
             # the block is full (vLLM's FullAttentionManager._cache_partial_tail_block).
             boundary = len(req.prompt) // hbs * hbs
+            if self.scheduling.resend_tail:
+                # The last boundary a resend of the prompt can hit (its last token is
+                # recomputed), the prompt's hashed tokens at most.
+                boundary = min((len(req.prompt) - 1) // hbs, len(req.digests)) * hbs
             if boundary == 0 or boundary > num_tokens or boundary % size == 0:
                 continue
             index = boundary // size

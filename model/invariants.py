@@ -59,7 +59,8 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
   (a sliding window's block, freed and reused by another position, is not that position's).
 - TABLE: the store state of a running tracked request names its blocks: as many per group as
   its block table, the same block wherever the table holds one (a sliding window's nulls
-  stand where the state still names the block that left); a preempted one names none.
+  stand where the state still names the block that left); a preempted one names none (until
+  a load brings its blocks back: then it waits for its next schedule, as a waiting one).
 - LOAD-TARGET: a load writes no GPU null block, and each block it writes is the one the
   loading request's table holds in the group and at the position of the key of the CPU block
   it reads (a chunked local hit after a prefix that ends inside a chunk, S24, writes into
@@ -70,6 +71,9 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - STATS: a drain of the stats reports the GPU blocks of the sent loads completed since the
   previous drain, the CPU blocks in use, the CPU blocks of the stores not completed, and per
   outcome the boundary-state hand-offs decided since the previous drain.
+- QUEUES: the waiting and running queues partition the live requests; a request queued as
+  holding blocks (its load started) is waiting and holds blocks; a load's reservation is of
+  a waiting request, a prefill's of a running one (:class:`~kvoffload.model.engine.Scheduling`).
 """
 
 from __future__ import annotations
@@ -504,11 +508,21 @@ def position(state: Engine) -> Iterator[str]:
                 )
 
 
+def _table_named(state: Engine, req_id: str) -> bool:
+    """Whether TABLE holds of ``req_id``'s store state: running, or preempted with no blocks.
+    A preempted request whose load finished holds its loaded blocks, still preempted (as
+    vLLM marks it), and its store state learns them when it is scheduled, as a waiting one's."""
+    status = state.requests[req_id].status
+    if status is RequestStatus.PREEMPTED:
+        return req_id not in state.req_to_blocks
+    return status is RequestStatus.RUNNING
+
+
 def table(state: Engine) -> Iterator[str]:
     null = state.gpu_pool.null_block.block_id
     for req_id, store in state.connector.reqs_to_store.items():
         status = state.requests[req_id].status
-        if store.finished or status not in (RequestStatus.RUNNING, RequestStatus.PREEMPTED):
+        if store.finished or not _table_named(state, req_id):
             continue
         for g, (named, ids) in enumerate(
             zip(store.block_ids, state.blocks_of(req_id), strict=True)
@@ -562,6 +576,25 @@ def event_stored(state: Engine) -> Iterator[str]:
             )
 
 
+def queues(state: Engine) -> Iterator[str]:
+    live = {r for r, req in state.requests.items() if req.status is not RequestStatus.FINISHED}
+    waiting, running = set(state.waiting), set(state.running)
+    if waiting & running or waiting | running != live or len(waiting) != len(state.waiting):
+        yield (
+            f"the waiting queue {state.waiting} and the running queue {state.running} do not "
+            f"partition the live requests {sorted(live)}"
+        )
+    for r in state.holders:
+        if r not in waiting or r not in state.req_to_blocks:
+            yield f"{r} is queued as holding blocks, but is not a waiting request holding any"
+    for r in state.parked:
+        if r not in waiting:
+            yield f"{r} has blocks reserved for its parked load, but is not waiting"
+    for r in state.inflight_prefills:
+        if r not in running:
+            yield f"{r} has blocks reserved as prefilling, but is not running"
+
+
 CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "POOL-QUEUE": pool_queue,
     "POOL-MAP": pool_map,
@@ -594,6 +627,7 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "LOAD-TARGET": load_target,
     "EVENT-STORED": event_stored,
     "STATS": stats,
+    "QUEUES": queues,
 }
 
 
@@ -654,13 +688,12 @@ def exercised(state: Engine) -> set[str]:
         "RECOVER": bool(c.null_log),
         "POSITION": any(s.picks for s in c.selection_log),
         "TABLE": any(
-            state.requests[r].status in (RequestStatus.RUNNING, RequestStatus.PREEMPTED)
-            for r, store in c.reqs_to_store.items()
-            if not store.finished
+            _table_named(state, r) for r, store in c.reqs_to_store.items() if not store.finished
         ),
         "LOAD-TARGET": bool(c.reqs_to_load),
         "EVENT-STORED": bool(c.stored_log),
         "STATS": bool(c.stats_log),
+        "QUEUES": bool(state.waiting or state.running),
         "NO-READ": any(
             r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
             for r in state.requests.values()

@@ -185,6 +185,8 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
             BoundaryRecord("c", 4, Outcome.DROPPED_REQUEST_GONE, True, False, ALIEN, False, False),
         ]
     ),
+    # c, running, reserved for as a parked load
+    "QUEUES": lambda m: m.engine.parked.__setitem__("c", 1),
     # a scan that passed over a null position whose key the GPU pool still caches
     "RECOVER": lambda m: m.engine.connector.null_log.append(
         NullRecord("c", 0, 0, next(iter(m.engine.gpu_pool.cached)), True, None)

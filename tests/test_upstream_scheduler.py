@@ -10,7 +10,7 @@ import textwrap
 from typing import Any
 
 import pytest
-from test_admission import FULL_SEQUENCE, HOLDERS, PREEMPTED_LOAD, RESERVED
+from test_scheduling import FULL_SEQUENCE, HOLDERS, PREEMPTED_LOAD, RESERVED, WEIGHT_UPDATE
 
 from kvoffload.model import OffloadConfig
 from kvoffload.model.errors import InvalidArgumentError
@@ -45,6 +45,11 @@ CASES: list[tuple[str, list[tuple[Any, ...]], bool, bool, str | None]] = [
     ("OffloadConfig(16, 16, (4,), 4)", SHARED, True, True, None),
     ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, True, True, None),
     ("OffloadConfig(6, 16, (4,), 4, 2, lazy=True)", CPU_HIT, True, True, None),
+    # the connector's kv-cache events, compared at each step
+    ("OffloadConfig(6, 16, (4,), 4, 2, kv_events=True)", CPU_HIT, True, True, None),
+    # two groups: keys only up to the scheduler block of 8, the prompt tail a resend can hit
+    ("OffloadConfig(16, 16, (4, 8), 4)", SHARED, True, True, None),
+    ("OffloadConfig(12, 16, (4, 8), 4, kv_events=True)", CPU_HIT, True, True, None),
     ("OffloadConfig(8, 16, (4,), 4)", FULL_SEQUENCE, True, True, None),
     ("OffloadConfig(8, 16, (4,), 4)", FULL_SEQUENCE, False, False, None),
     # the model admitting on the first chunk where vLLM wants the whole sequence
@@ -58,6 +63,7 @@ CASES: list[tuple[str, list[tuple[Any, ...]], bool, bool, str | None]] = [
     ("OffloadConfig(5, 2, (4,), 4)", RESERVED, False, False, None),
     ("OffloadConfig(7, 12, (4,), 4)", HOLDERS, False, False, None),
     ("OffloadConfig(7, 2, (4,), 4, lazy=True)", PREEMPTED_LOAD, False, False, None),
+    ("OffloadConfig(12, 16, (4,), 4, kv_events=True)", WEIGHT_UPDATE, True, True, None),
 ]
 
 
@@ -107,7 +113,7 @@ def test_the_scheduler_target_refuses_what_it_does_not_drive_yet() -> None:
     # Refused before vLLM is imported: these run without it.
     with pytest.raises(InvalidArgumentError, match="takes calls"):
         first_difference(OffloadConfig(8, 8, (4,), 4), [("drain",)])
-    with pytest.raises(InvalidArgumentError, match="one full-attention group"):
-        VllmScheduler(OffloadConfig(8, 8, (4, 8), 4))
-    with pytest.raises(InvalidArgumentError, match="kv-cache events"):
-        VllmScheduler(OffloadConfig(8, 8, (4,), 4, kv_events=True))
+    with pytest.raises(InvalidArgumentError, match="full-attention groups only"):
+        VllmScheduler(OffloadConfig(8, 8, (4, 4), 4, sliding_windows=(None, 3)))
+    with pytest.raises(InvalidArgumentError, match="whole blocks only"):
+        VllmScheduler(OffloadConfig(8, 8, (8,), 4))

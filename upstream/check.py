@@ -239,7 +239,7 @@ def run_checks(
     for check in checks:
         print(f"\n== vllm {version} vs the model variant {check.variant}: {check.why}")
         if check.machine == "scheduler":
-            results.append(scheduler_check(check, profile, seconds, version))
+            results.append(scheduler_check(check, profile, seconds, seed, version))
             continue
         # A random profile's example database (none under ci) replays this check's
         # earlier failures first, also when the campaign runs for --seconds.
@@ -276,12 +276,12 @@ def run_checks(
 
 
 def scheduler_check(
-    check: Check, profile: Any, seconds: float | None, version: str
+    check: Check, profile: Any, seconds: float | None, seed: int | None, version: str
 ) -> dict[str, Any]:
     """``check`` on the machine over vLLM's own scheduler, its verdict printed."""
     from kvoffload.upstream.scheduler_machine import run_scheduler_check
 
-    result = run_scheduler_check(check.variant, profile, seconds)
+    result = run_scheduler_check(check.variant, profile, seconds, seed)
     verdict = "conforms" if result["conforms"] else f"disagrees: {result['disagreement']}"
     print(
         f"vLLM's scheduler (in the environment of vllm {version}): {verdict} "

@@ -26,13 +26,20 @@ from pathlib import Path
 from typing import Any
 
 # vLLM's files the machine drives, relative to the vllm package: the connector's scheduler
-# side, and what it calls in the KV cache manager (issue 11's yardstick).
+# side, and what it calls in the KV cache manager (issue 11's yardstick); then what the
+# machine over vLLM's own scheduler drives besides: the connector's scheduler-side facade,
+# the KV cache manager and the scheduler (most of whose lines serve what no offload
+# configuration reaches: speculative decoding, encoders, structured output, pipeline and
+# data parallelism).
 WATCHED = (
     "v1/simple_kv_offload/manager.py",
     "v1/simple_kv_offload/metadata.py",
     "v1/core/block_pool.py",
     "v1/core/kv_cache_coordinator.py",
     "v1/core/single_type_kv_cache_manager.py",
+    "distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py",
+    "v1/core/kv_cache_manager.py",
+    "v1/core/sched/scheduler.py",
 )
 # The file the issues' targets are stated for.
 HEADLINE = "v1/simple_kv_offload/manager.py"

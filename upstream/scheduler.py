@@ -21,7 +21,9 @@ Its calls, and the model's for each (:func:`model_call`):
   far reported complete by every worker in this output (the model: ``step`` then every
   completion owed);
 - ``("abort", id)``: ``finish_requests(id, FINISHED_ABORTED)`` (the model: ``finish``);
-- ``("reset_prefix_cache", reset_connector)``: ``reset_prefix_cache``, its answer.
+- ``("reset_prefix_cache", reset_connector[, reset_running_requests])``:
+  ``reset_prefix_cache``, its answer (preempting every running request first: the RLHF
+  weight update in the middle of generation).
 
 After every call the two are compared on the call's result and on the snapshot
 (:func:`kvoffload.upstream.target.manager_snapshot`: both pools, the offload manager's
@@ -29,10 +31,11 @@ state, and each live request's status, tokens and block table as vLLM's schedule
 them). Invariant: a call refused here is refused before vLLM sees it.
 
 Runs only where vLLM imports, on releases whose scheduler has the interface of 0.34.0.
-Not yet driven: several groups (vLLM's hybrid coordinator registers keys only up to the
-scheduler block boundary, the model's engine at every full block: docs/upstream.md),
-decode context parallelism, kv-cache events (vLLM's scheduler publishes the connector's
-events itself).
+With kv-cache events, the connector's are compared at each step (vLLM's scheduler collects
+them once a step, in ``update_from_output``, for its publisher).
+
+Not yet driven: sliding-window, chunked local and Mamba groups (vLLM's admission caps their
+block counts by window and chunk, not modelled), decode context parallelism.
 """
 
 from __future__ import annotations
@@ -44,15 +47,16 @@ from typing import Any
 
 from kvoffload.model import OffloadModel
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.engine import VLLM_ADMISSION, Admission, RequestStatus, greedy_token
+from kvoffload.model.engine import VLLM_SCHEDULING, RequestStatus, Scheduling, greedy_token
 from kvoffload.model.errors import InvalidArgumentError
 from kvoffload.model.keys import prefix_digests
 from kvoffload.model.snapshot import RequestView, Snapshot
+from kvoffload.model.types import KVEvent
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import expected_variant
 from kvoffload.testing.lockstep import Call, as_outcome, describe_difference
 from kvoffload.upstream.keymap import KeyMap
-from kvoffload.upstream.target import manager_snapshot
+from kvoffload.upstream.target import manager_snapshot, model_event
 from kvoffload.upstream.vllm_world import build, keywords
 
 # What one step shows: tokens scheduled per request, then the store event with its GPU and
@@ -65,14 +69,14 @@ CALLS = ("add", "step", "abort", "reset_prefix_cache")
 
 def unsupported(config: OffloadConfig) -> str | None:
     """Why the scheduler target cannot drive ``config``, or None."""
-    if config.num_groups != 1:
-        # vLLM's hybrid coordinator registers a group's blocks only up to the scheduler
-        # block boundary; the model's engine registers every full block (docs/upstream.md).
-        return "the scheduler target drives one full-attention group so far"
+    if not all(config.full_attention(g) for g in range(config.num_groups)):
+        # vLLM's admission caps the counts of sliding-window, chunked local and Mamba groups
+        # by their windows and chunks: not modelled (docs/upstream.md).
+        return "the scheduler target drives full-attention groups only so far"
+    if config.num_groups == 1 and config.hash_block_size != config.group_block_sizes[0]:
+        return "vLLM's one-group coordinator hashes whole blocks only"
     if config.dcp_world_size != 1:
         return "the scheduler target does not drive decode context parallelism yet"
-    if config.kv_events:
-        return "the scheduler target does not compare kv-cache events yet"
     return None
 
 
@@ -121,6 +125,19 @@ class VllmScheduler:
         self.requests: dict[str, Any] = {}  # every request added, finished ones too
         self._unreported_stores: dict[int, int] = {}
         self._unreported_loads: list[str] = []
+        # The connector's kv-cache events as vLLM's scheduler collects them for its
+        # publisher (with the GPU pool's, which the model does not publish).
+        self._events: list[Any] = []
+        if config.kv_events:
+            connector = self.scheduler.connector
+            collect = connector.take_events
+
+            def take_events() -> Any:
+                events = list(collect())
+                self._events += events
+                return events
+
+            connector.take_events = take_events
 
     # -- calls ------------------------------------------------------------------------------
 
@@ -213,14 +230,20 @@ class VllmScheduler:
 
         self.scheduler.finish_requests(request_id, VllmStatus.FINISHED_ABORTED)
 
-    def reset_prefix_cache(self, reset_connector: bool) -> bool:
-        """vLLM's engine's reset: no running request preempted, the connector's reset asked
-        for or not."""
+    def reset_prefix_cache(self, reset_connector: bool, reset_running: bool = False) -> bool:
+        """vLLM's engine's reset, the connector's reset asked for or not, every running
+        request preempted first or none."""
         return bool(
             self.scheduler.reset_prefix_cache(
-                reset_running_requests=False, reset_connector=reset_connector
+                reset_running_requests=reset_running, reset_connector=reset_connector
             )
         )
+
+    def take_events(self) -> list[KVEvent]:
+        """The connector's kv-cache events vLLM's scheduler published since the last call
+        (it collects them in ``update_from_output``), as the model's."""
+        events, self._events = self._events, []
+        return [model_event(e, self.keys) for e in events]
 
     def live_requests(self) -> list[str]:
         return [r for r, req in self.scheduler.requests.items() if not req.is_finished()]
@@ -293,7 +316,7 @@ def model_call(model: OffloadModel, call: Call) -> object:
     if name == "abort":
         model.finish(args[0])
         return None
-    return model.reset_prefix_cache(args[0])
+    return model.reset_prefix_cache(*args)
 
 
 def vllm_call(target: VllmScheduler, call: Call) -> object:
@@ -306,7 +329,7 @@ def vllm_call(target: VllmScheduler, call: Call) -> object:
     if name == "abort":
         target.abort(args[0])
         return None
-    return target.reset_prefix_cache(args[0])
+    return target.reset_prefix_cache(*args)
 
 
 def model_snapshot(model: OffloadModel) -> Snapshot:
@@ -317,10 +340,10 @@ def model_snapshot(model: OffloadModel) -> Snapshot:
     return Snapshot(**{**snap.__dict__, "requests": live})
 
 
-def admission(whole_sequence: bool) -> Admission:
+def scheduling(whole_sequence: bool) -> Scheduling:
     """The model's admission for vLLM 0.34.0's scheduler with ``scheduler_reserve_full_isl``
     as ``whole_sequence`` says (its reservations and queue of loads are always on)."""
-    return replace(VLLM_ADMISSION, whole_sequence=whole_sequence)
+    return replace(VLLM_SCHEDULING, whole_sequence=whole_sequence)
 
 
 def require_call(call: Call) -> None:
@@ -328,8 +351,16 @@ def require_call(call: Call) -> None:
         raise InvalidArgumentError(f"the scheduler target takes calls {CALLS}, got {call}")
 
 
-def compare_call(model: OffloadModel, target: VllmScheduler, call: Call, n: int) -> str | None:
-    """Apply ``call`` to both and describe the first difference, or None."""
+def compare_call(
+    model: OffloadModel,
+    target: VllmScheduler,
+    call: Call,
+    n: int,
+    model_events: list[KVEvent] | None = None,
+) -> str | None:
+    """Apply ``call`` to both and describe the first difference, or None. With kv-cache
+    events, ``model_events`` holds the model's since the last step: vLLM's scheduler
+    publishes the connector's once a step, so they are compared at each step."""
     require_call(call)
     try:
         expected: object = model_call(model, call)
@@ -344,12 +375,31 @@ def compare_call(model: OffloadModel, target: VllmScheduler, call: Call, n: int)
         return f"{head}: the model returned {expected!r}, vLLM's scheduler {actual!r}"
     mine, theirs = model_snapshot(model), target.snapshot()
     if mine == theirs:
-        return None
+        return _compare_events(model, target, call, head, model_events)
     fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
     details = "; ".join(
         describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
     )
     return f"{head}: snapshots differ in {fields}: {details}"
+
+
+def _compare_events(
+    model: OffloadModel,
+    target: VllmScheduler,
+    call: Call,
+    head: str,
+    pending: list[KVEvent] | None,
+) -> str | None:
+    if pending is None or not model.config.kv_events:
+        return None
+    pending += model.take_events()
+    if call[0] != "step":
+        return None
+    mine, theirs = list(pending), target.take_events()
+    pending.clear()
+    if mine == theirs:
+        return None
+    return f"{head}: kv-cache events differ: the model published {mine}, vLLM's scheduler {theirs}"
 
 
 def first_difference(
@@ -383,10 +433,11 @@ def first_difference_between(
         config,
         variant=compared_with,
         check=keeps_invariants(compared_with),
-        admission=admission(model_admission),
+        scheduling=scheduling(model_admission),
     )
+    events: list[KVEvent] = []
     for n, call in enumerate(program):
-        found = compare_call(model, target, call, n)
+        found = compare_call(model, target, call, n, events)
         if found:
             return found
     return None

@@ -5,10 +5,12 @@ SimpleCPUOffload connector and the model in lockstep, compared after every call.
 Draws as the conformance machine's (:mod:`kvoffload.testing.stateful`), so that shrinking
 works and the rare paths happen: prompts from three stems and earlier prompts again (GPU and
 CPU hits), tiny pools (eviction, failed allocation, preemption, the CPU pool full), small
-budgets (chunked prefill), up to three workers, lazy mode one program in three, requests
-that skip reading the prefix cache, vLLM's whole-sequence admission on or off. Each step
-reports the stores and loads sent so far complete, or (one step in four) holds them back to a
-later step's output.
+budgets (chunked prefill), one full-attention group or two, up to three workers, lazy mode
+and kv-cache events one program in three each, requests that skip reading the prefix cache,
+vLLM's whole-sequence admission on or off, resets that preempt the running requests. Each
+step reports the stores and loads sent so far complete, or (one step in four) holds them back
+to a later step's output. The model is the release's variant with vLLM 0.34.0's scheduling
+(:data:`~kvoffload.model.engine.VLLM_SCHEDULING`).
 
 A check of the release table names this machine with ``machine="scheduler"``
 (:mod:`kvoffload.upstream.releases`); ``kvoffload verify --target vllm==X`` runs it beside the
@@ -17,9 +19,12 @@ offload target, in the same measured process.
 
 from __future__ import annotations
 
+import itertools
+import random
 import time
 from typing import Any, ClassVar
 
+from hypothesis import seed as hypothesis_seed
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.errors import Flaky
@@ -32,14 +37,16 @@ from hypothesis.stateful import (
 )
 
 from kvoffload.model import OffloadConfig, OffloadModel, SetupError
+from kvoffload.model.types import KVEvent
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.lockstep import Call, as_outcome
 from kvoffload.testing.stateful import PROMPTS, SKIP_READING, TAILS, Recorder
-from kvoffload.upstream.scheduler import VllmScheduler, admission, compare_call
+from kvoffload.upstream.scheduler import VllmScheduler, compare_call, scheduling
 
-# One full-attention group of blocks of 4 or 8 (vLLM's one-group coordinator hashes whole
-# blocks only).
-LAYOUTS = [((4,), 4), ((8,), 8)]
+# Full-attention groups: one of blocks of 4 or 8 (vLLM's one-group coordinator hashes whole
+# blocks only), or two of 4 and 8 tokens hashed in blocks of 4 (the hybrid coordinator: keys
+# only up to the scheduler block of 8, secondary keys on the group of 8).
+LAYOUTS = [((4,), 4), ((8,), 8), ((4, 8), 4)]
 BUDGETS = st.integers(1, 24)
 SETTLE_ROUNDS = 12
 # Stores and loads reported in the step's own output three steps in four.
@@ -60,6 +67,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         cpu_blocks=st.one_of(st.integers(2, 4), st.integers(12, 32)),
         world_size=st.integers(1, 3),
         lazy=st.integers(0, 2).map(lambda n: n == 2),
+        kv_events=st.integers(0, 2).map(lambda n: n == 2),
         whole=st.booleans(),
         first=PROMPTS,
     )
@@ -70,19 +78,23 @@ class SchedulerMachine(RuleBasedStateMachine):
         cpu_blocks: int,
         world_size: int,
         lazy: bool,
+        kv_events: bool,
         whole: bool,
         first: list[int],
     ) -> None:
         self.started = time.perf_counter()
         sizes, hbs = layout
-        self.config = OffloadConfig(gpu_blocks, cpu_blocks, sizes, hbs, world_size, lazy)
+        gpu_blocks *= len(sizes)  # a block per group and position
+        self.config = OffloadConfig(
+            gpu_blocks, cpu_blocks, sizes, hbs, world_size, lazy, kv_events=kv_events
+        )
         self.whole = whole
         variant = type(self).variant
         self.model = OffloadModel(
             self.config,
             variant=variant,
             check=keeps_invariants(variant),
-            admission=admission(whole),
+            scheduling=scheduling(whole),
         )
         try:
             self.target = VllmScheduler(self.config, whole)
@@ -91,6 +103,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 f"vLLM's scheduler cannot be built for {self.config}: {as_outcome(error)}"
             ) from error
         self.program: list[Call] = []
+        self.model_events: list[KVEvent] = []
         self.prompts: list[list[int]] = []
         self.next_id = 0
         self.rule_steps = 0
@@ -106,7 +119,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             rec.count(rec.rules, rule_name)
             self.rule_steps += 1
             rec.rule_steps += 1
-        found = compare_call(self.model, self.target, call, len(self.program) - 1)
+        found = compare_call(
+            self.model, self.target, call, len(self.program) - 1, self.model_events
+        )
         if found:
             if rec.first_failure is None:
                 rec.first_failure = time.perf_counter() - rec.started
@@ -132,7 +147,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     ) -> None:
         # Three live requests at most, each able to run alone (blocks for its prompt and
         # outputs, the null block aside), so that preemption ends.
-        need = -(-(len(tokens) + max_tokens) // self.config.group_block_sizes[0])
+        need = sum(-(-(len(tokens) + max_tokens) // size) for size in self.config.group_block_sizes)
         if len(self.model.live_requests()) >= 3 or need >= self.config.gpu_blocks:
             return
         call: Call = ("add", f"r{self.next_id}", tokens, max_tokens)
@@ -198,9 +213,15 @@ class SchedulerMachine(RuleBasedStateMachine):
     def abort(self, data: st.DataObject) -> None:
         self.run(("abort", data.draw(st.sampled_from(self.model.live_requests()))), "abort")
 
-    @rule(reset_connector=st.booleans())
-    def reset_prefix_cache(self, reset_connector: bool) -> None:
-        self.run(("reset_prefix_cache", reset_connector), "reset_prefix_cache")
+    # A weight update in the middle of generation preempts every running request first, one
+    # reset in three; drawn only where that frees every GPU block (vLLM raises otherwise,
+    # once it has preempted).
+    @rule(reset_connector=st.booleans(), running=st.integers(0, 2).map(lambda n: n == 2))
+    def reset_prefix_cache(self, reset_connector: bool, running: bool) -> None:
+        if running and not self.model.engine.blocks_kept_from_reset():
+            self.run(("reset_prefix_cache", reset_connector, True), "reset_prefix_cache")
+        else:
+            self.run(("reset_prefix_cache", reset_connector), "reset_prefix_cache")
 
 
 def scheduler_machine(variant: str, recorder: Recorder) -> type[SchedulerMachine]:
@@ -222,18 +243,25 @@ def reproducer(failure: dict[str, Any]) -> str:
     )
 
 
-def run_scheduler_check(variant: str, profile: settings, seconds: float | None) -> dict[str, Any]:
+def run_scheduler_check(
+    variant: str, profile: settings, seconds: float | None, seed: int | None = None
+) -> dict[str, Any]:
     """The machine over vLLM's scheduler against ``variant`` of the model, for ``profile``'s
     examples (a quarter of them: a program here costs about four of the offload target's),
     or in batches for ``seconds``; the result as :func:`kvoffload.upstream.check.run_checks`
-    reports one."""
+    reports one. A random profile runs batch ``k`` from seed ``seed + k`` (``seed`` drawn
+    when not given), as the offload machine's campaign does."""
     recorder = Recorder()
     machine = scheduler_machine(variant, recorder)
     examples = max(1, profile.max_examples // 4)
     batch = settings(profile, max_examples=25 if seconds else examples)
+    if seed is None and not batch.derandomize:
+        seed = random.getrandbits(32)
     start = time.perf_counter()
     failure: dict[str, Any] | None = None
-    while True:
+    for n in itertools.count():
+        if seed is not None:
+            hypothesis_seed(seed + n)(machine)
         try:
             run_state_machine_as_test(machine, settings=batch)
         except (AssertionError, Flaky):
@@ -248,7 +276,7 @@ def run_scheduler_check(variant: str, profile: settings, seconds: float | None) 
         "machine": "scheduler",
         "conforms": failure is None,
         "seconds": round(elapsed, 1),
-        "seed": None,
+        "seed": seed,
         "programs": recorder.programs,
         "rule_steps": recorder.rule_steps,
         "driver_calls": recorder.steps,

@@ -184,25 +184,30 @@ class VllmOffload:
         return [self._event(e) for e in self.manager.take_events()]
 
     def _event(self, event: Any) -> KVEvent:
-        from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+        return model_event(event, self.engine.keys)
 
-        keys = self.engine.keys
-        if isinstance(event, AllBlocksCleared):
-            return KVEvent(CLEARED)
-        assert isinstance(event, BlockStored | BlockRemoved), f"unknown event {event!r}"
-        assert len(event.block_hashes) == 1, f"an event of several blocks: {event!r}"
-        key = keys.external_key(event.block_hashes[0], event.group_idx)
-        if isinstance(event, BlockRemoved):
-            return KVEvent(REMOVED, key, medium=event.medium)
-        parent = event.parent_block_hash
-        return KVEvent(
-            STORED,
-            key,
-            None if parent is None else keys.external_digest(parent),
-            tuple(event.token_ids),
-            event.block_size,
-            event.medium,
-        )
+
+def model_event(event: Any, keys: KeyMap) -> KVEvent:
+    """A kv-cache event of vLLM's offload manager as the model's: a ``BlockStored`` of one
+    hash each (what the offload scheduler publishes), ``BlockRemoved``, ``AllBlocksCleared``."""
+    from vllm.distributed.kv_events import AllBlocksCleared, BlockRemoved, BlockStored
+
+    if isinstance(event, AllBlocksCleared):
+        return KVEvent(CLEARED)
+    assert isinstance(event, BlockStored | BlockRemoved), f"unknown event {event!r}"
+    assert len(event.block_hashes) == 1, f"an event of several blocks: {event!r}"
+    key = keys.external_key(event.block_hashes[0], event.group_idx)
+    if isinstance(event, BlockRemoved):
+        return KVEvent(REMOVED, key, medium=event.medium)
+    parent = event.parent_block_hash
+    return KVEvent(
+        STORED,
+        key,
+        None if parent is None else keys.external_digest(parent),
+        tuple(event.token_ids),
+        event.block_size,
+        event.medium,
+    )
 
 
 class _SchedulerView:

@@ -1,4 +1,4 @@
-"""The model engine's admission gates and order (``kvoffload.model.engine.Admission``), as
+"""The model engine's admission gates and order (``kvoffload.model.engine.Scheduling``), as
 vLLM 0.34.0's own scheduler has them: each scenario's outcome changes with its knob alone.
 tests/test_upstream_scheduler.py runs the same programs against vLLM's scheduler."""
 
@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from kvoffload.model import OffloadConfig, OffloadModel
-from kvoffload.model.engine import VLLM_ADMISSION, Admission
-from kvoffload.model.errors import ConfigError
+from kvoffload.model.engine import VLLM_SCHEDULING, Scheduling
+from kvoffload.model.errors import ConfigError, InvalidArgumentError
 from kvoffload.upstream.scheduler import model_call
 
 VARIANT = "inclusive-cpu+window-stale-ids+reset-gpu-only"  # 0.34.0's row
@@ -78,15 +78,15 @@ PREEMPTED_LOAD = [
 ]
 
 
-def last_step(config: OffloadConfig, program: list[tuple[Any, ...]], admission: Admission) -> Any:
-    model = OffloadModel(config, VARIANT, admission=admission)
+def last_step(config: OffloadConfig, program: list[tuple[Any, ...]], scheduling: Scheduling) -> Any:
+    model = OffloadModel(config, VARIANT, scheduling=scheduling)
     results = [model_call(model, call) for call in program]
     return [r for r in results if isinstance(r, tuple)][-1]
 
 
 def test_whole_sequence_admission_waits_for_the_whole_sequence() -> None:
     config = OffloadConfig(8, 16, (4,), 4)
-    model = OffloadModel(config, VARIANT, admission=Admission(whole_sequence=True))
+    model = OffloadModel(config, VARIANT, scheduling=Scheduling(whole_sequence=True))
     second = [model_call(model, call) for call in FULL_SEQUENCE[:4]][-1]
     assert isinstance(second, tuple) and second[0] == {"r0": 6}  # r1 waits
     model = OffloadModel(config, VARIANT)
@@ -96,16 +96,16 @@ def test_whole_sequence_admission_waits_for_the_whole_sequence() -> None:
 
 def test_a_load_fits_beside_the_reservations_of_parked_loads() -> None:
     config = OffloadConfig(5, 2, (4,), 4)
-    reserved = last_step(config, RESERVED, Admission(load_reservations=True))
+    reserved = last_step(config, RESERVED, Scheduling(load_reservations=True))
     assert reserved[4:] == (0, (2,), (1,))  # r2's load alone
-    free = last_step(config, RESERVED, Admission())
+    free = last_step(config, RESERVED, Scheduling())
     assert free[4:] == (0, (2, 3), (1, 1))  # r3's too
 
 
 def test_a_request_holding_blocks_is_taken_before_the_waiting_queue() -> None:
     config = OffloadConfig(7, 12, (4,), 4)
-    assert last_step(config, HOLDERS, Admission(holders_first=True))[0] == {"r3": 1}
-    assert last_step(config, HOLDERS, Admission())[0] == {}
+    assert last_step(config, HOLDERS, Scheduling(holders_first=True))[0] == {"r3": 1}
+    assert last_step(config, HOLDERS, Scheduling())[0] == {}
 
 
 def test_a_preempted_request_whose_load_finished_is_preempted_still() -> None:
@@ -121,8 +121,74 @@ def test_a_preempted_request_whose_load_finished_is_preempted_still() -> None:
     assert views["r4"].status == "preempted" and views["r4"].num_computed_tokens == 16
 
 
+def test_two_groups_register_keys_up_to_the_scheduler_block() -> None:
+    """vLLM's hybrid coordinator registers a group's blocks only up to the scheduler block
+    boundary, and the prompt tail a resend can hit (before the prompt's last token)."""
+    config = OffloadConfig(16, 16, (4, 8), 4)
+    program = [("add", "a", [0, 1, 2, 3, 4, 5, 6, 0], 3), ("step", 5, True)]
+
+    def keys(scheduling: Scheduling) -> set[tuple[int, int]]:
+        model = OffloadModel(config, VARIANT, scheduling=scheduling)
+        for call in program:
+            model_call(model, call)
+        return {(k.group, k.num_tokens) for k, _ in model.snapshot().gpu.cached}
+
+    assert keys(Scheduling()) == {(0, 4)}  # the first block of 4, as it fills
+    assert keys(Scheduling(aligned_caching=True)) == set()
+    program.append(("step", 5, True))
+    assert keys(Scheduling(aligned_caching=True)) == {(0, 4), (0, 8), (1, 8)}
+    # the prompt of 8 tokens: its tail boundary before the last token is 4, inside the
+    # group of 8's block, registered there as a secondary key
+    assert keys(Scheduling(aligned_caching=True, resend_tail=True)) == {
+        (0, 4),
+        (0, 8),
+        (1, 8),
+        (1, 4),
+    }
+
+
+# A weight update in the middle of generation: r0 computed in part, r1 hitting it, both
+# preempted by the reset, both resumed from nothing in the next step.
+WEIGHT_UPDATE = [
+    ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 3),
+    ("step", 6, True),
+    ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0, 1], 2),
+    ("step", 6, True),
+    ("reset_prefix_cache", True, True),
+    ("step", 16, True),
+    ("step", 16, True),
+]
+
+
+def test_a_reset_of_running_requests_preempts_them_first() -> None:
+    model = OffloadModel(OffloadConfig(12, 16, (4,), 4), "fixed", check=True)
+    for call in WEIGHT_UPDATE[:4]:
+        model_call(model, call)
+    assert model.engine.running == ["r0", "r1"]
+    assert model_call(model, WEIGHT_UPDATE[4]) is True
+    views = {r.request_id: r for r in model.snapshot().requests}
+    assert [views[r].status for r in ("r0", "r1")] == ["preempted", "preempted"]
+    assert model.engine.waiting == ["r0", "r1"]  # in their order
+    assert model.snapshot().gpu.cached == ()  # the GPU's prefix cache is empty
+    # the connector hears of both in the next step, which runs r0 (its prompt and output)
+    # again from nothing, and r1 over r0's blocks of this step (a GPU hit)
+    step = model.step(16)
+    assert step.scheduled["r0"] == (0, 9) and step.scheduled["r1"] == (8, 10)
+
+
+def test_a_reset_of_running_requests_a_load_holds_blocks_for_is_refused() -> None:
+    model = OffloadModel(OffloadConfig(5, 2, (4,), 4), VARIANT)
+    for call in RESERVED[:-1]:
+        model_call(model, call)
+    model.step(8)  # r2's load goes out and is not reported
+    before = model.snapshot()
+    with pytest.raises(InvalidArgumentError, match="cannot free GPU blocks"):
+        model.reset_prefix_cache(True, reset_running_requests=True)
+    assert model.snapshot() == before
+
+
 def test_the_gates_are_for_full_attention_groups_only() -> None:
     with pytest.raises(ConfigError, match="full-attention groups only"):
         OffloadModel(
-            OffloadConfig(8, 8, (4, 4), 4, sliding_windows=(None, 3)), admission=VLLM_ADMISSION
+            OffloadConfig(8, 8, (4, 4), 4, sliding_windows=(None, 3)), scheduling=VLLM_SCHEDULING
         )
