@@ -45,8 +45,9 @@ class OffloadModel:
         check: bool = False,
         scheduling: Scheduling = REDUCED_SCHEDULING,
     ) -> None:
-        """``scheduling``: what the engine requires of a waiting request beyond the blocks of
-        its first chunk (none by default; vLLM 0.34.0's own scheduler:
+        """``scheduling``: where the engine follows vLLM 0.34.0's own scheduler and KV cache
+        manager (:class:`~kvoffload.model.engine.Scheduling`: admission gates and order, key
+        registration; none by default, all in
         :data:`~kvoffload.model.engine.VLLM_SCHEDULING`)."""
         if not is_variant(variant):
             raise ConfigError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
