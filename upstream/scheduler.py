@@ -201,8 +201,12 @@ class VllmScheduler:
         scheduler.update_from_output(
             output,
             ModelRunnerOutput(
-                req_ids=req_ids,
-                sampled_token_ids=sampled,
+                **keywords(
+                    ModelRunnerOutput,
+                    req_ids=req_ids,
+                    req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
+                    sampled_token_ids=sampled,
+                ),
                 kv_connector_output=KVConnectorOutput(
                     # A sorted list where vLLM's executor passes a set: the manager releases
                     # the loads' CPU blocks in its iteration order, which for a set follows
