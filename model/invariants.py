@@ -509,12 +509,15 @@ def position(state: Engine) -> Iterator[str]:
 
 
 def _table_named(state: Engine, req_id: str) -> bool:
-    """Whether TABLE holds of ``req_id``'s store state: running, or preempted with no blocks.
-    A preempted request whose load finished holds its loaded blocks, still preempted (as
-    vLLM marks it), and its store state learns them when it is scheduled, as a waiting one's."""
+    """Whether TABLE holds of ``req_id``'s store state: running, or preempted with no blocks
+    and the connector told. A preempted request whose load finished holds its loaded blocks,
+    still preempted (as vLLM marks it), and its store state learns them when it is scheduled,
+    as a waiting one's. A request a prefix-cache reset preempted is told to the connector by
+    the next step's output (vLLM's ``preempted_req_ids``), which drops its store state: until
+    then that state names the blocks the reset freed."""
     status = state.requests[req_id].status
     if status is RequestStatus.PREEMPTED:
-        return req_id not in state.req_to_blocks
+        return req_id not in state.req_to_blocks and req_id not in state.reset_preempted
     return status is RequestStatus.RUNNING
 
 

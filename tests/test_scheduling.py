@@ -176,6 +176,28 @@ def test_a_reset_of_running_requests_preempts_them_first() -> None:
     assert step.scheduled["r0"] == (0, 9) and step.scheduled["r1"] == (8, 10)
 
 
+def test_a_request_a_reset_preempted_keeps_its_store_state_until_the_next_step() -> None:
+    """The connector hears of the preemption from the next step's output; until then the
+    store state of r1 names the block the reset freed, and TABLE allows it."""
+    program = [
+        ("add", "r0", [0, 1, 2, 3], 2),
+        ("step", 32, True),
+        ("step", 32, True),
+        ("reset_prefix_cache", False),
+        ("add", "r1", [0, 1, 2, 3], 1),
+        ("step", 1, False),
+        ("reset_prefix_cache", False, True),
+    ]
+    model = OffloadModel(OffloadConfig(4, 2, (4,), 4), "inclusive-cpu+window-stale-ids", check=True)
+    for call in program:
+        model_call(model, call)
+    [tracked] = model.snapshot().tracked
+    assert tracked.request_id == "r1" and model.engine.blocks_of("r1") == [[]]
+    assert tracked.block_ids == ((2,),)  # the block the reset freed
+    assert model.step(32).scheduled == {"r1": (0, 4)}  # told, and run again from nothing
+    assert not model.snapshot().tracked
+
+
 def test_a_reset_of_running_requests_a_load_holds_blocks_for_is_refused() -> None:
     model = OffloadModel(OffloadConfig(5, 2, (4,), 4), VARIANT)
     for call in RESERVED[:-1]:

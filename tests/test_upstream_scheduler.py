@@ -41,6 +41,31 @@ CPU_HIT = [
 ]
 # (configuration, program, vLLM's whole-sequence admission, the model's, the difference
 # expected: None where the model admits as vLLM does)
+RESET_PREEMPTS_A_STORE = [
+    ("add", "r0", [0, 1, 2, 3], 2),
+    ("step", 32, True),
+    ("step", 32, True),
+    ("reset_prefix_cache", False),
+    ("add", "r1", [0, 1, 2, 3], 1),
+    ("step", 1, False),
+    ("reset_prefix_cache", False, True),
+    ("step", 32, True),
+    ("step", 32, True),
+]
+ABORTED_LOADS = [
+    ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 1, 0], 2),
+    ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0, 1], 1),
+    ("step", 32, True),
+    ("step", 32, True),
+    ("step", 32, True),
+    ("reset_prefix_cache", False),
+    ("add", "r2", [0, 1, 2, 3, 4, 5, 6, 1, 0], 1),
+    ("add", "r3", [0, 1, 2, 3, 4, 5, 6, 0, 1], 1),
+    ("step", 8, False),
+    ("abort", "r2"),
+    ("abort", "r3"),
+    ("step", 1, True),
+]
 CASES: list[tuple[str, list[tuple[Any, ...]], bool, bool, str | None]] = [
     ("OffloadConfig(16, 16, (4,), 4)", SHARED, True, True, None),
     ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, True, True, None),
@@ -64,6 +89,11 @@ CASES: list[tuple[str, list[tuple[Any, ...]], bool, bool, str | None]] = [
     ("OffloadConfig(7, 12, (4,), 4)", HOLDERS, False, False, None),
     ("OffloadConfig(7, 2, (4,), 4, lazy=True)", PREEMPTED_LOAD, False, False, None),
     ("OffloadConfig(12, 16, (4,), 4, kv_events=True)", WEIGHT_UPDATE, True, True, None),
+    # a reset preempting r1 while its store is in flight: the connector drops the store
+    # state at the next step
+    ("OffloadConfig(4, 2, (4,), 4)", RESET_PREEMPTS_A_STORE, True, True, None),
+    # loads aborted while in flight, reported in one output with the stores
+    ("OffloadConfig(4, 12, (8,), 8, lazy=True)", ABORTED_LOADS, False, False, None),
 ]
 
 

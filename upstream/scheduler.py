@@ -345,8 +345,8 @@ def model_snapshot(model: OffloadModel) -> Snapshot:
 
 
 def scheduling(whole_sequence: bool) -> Scheduling:
-    """The model's admission for vLLM 0.34.0's scheduler with ``scheduler_reserve_full_isl``
-    as ``whole_sequence`` says (its reservations and queue of loads are always on)."""
+    """The model's scheduling for vLLM 0.34.0's scheduler with ``scheduler_reserve_full_isl``
+    as ``whole_sequence`` says (the rest of :data:`VLLM_SCHEDULING` always on)."""
     return replace(VLLM_SCHEDULING, whole_sequence=whole_sequence)
 
 
