@@ -7,11 +7,14 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
+from hypothesis import settings
 
 from kvoffload.model import OffloadConfig, OffloadModel
 from kvoffload.model.engine import VLLM_SCHEDULING, Scheduling
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
+from kvoffload.testing import profiles
 from kvoffload.upstream.scheduler import model_call
+from kvoffload.upstream.scheduler_machine import run_scheduler_check
 
 VARIANT = "inclusive-cpu+window-stale-ids+reset-gpu-only"  # 0.34.0's row
 
@@ -214,3 +217,15 @@ def test_the_gates_are_for_full_attention_groups_only() -> None:
         OffloadModel(
             OffloadConfig(8, 8, (4, 4), 4, sliding_windows=(None, 3)), scheduling=VLLM_SCHEDULING
         )
+
+
+def test_the_scheduler_machines_programs_keep_the_models_invariants() -> None:
+    """The programs of the machine over vLLM's scheduler on the model alone, with 0.34.0's
+    intended behaviour and every invariant checked after every call (the release's row
+    variant breaks an invariant by design, so its campaign checks none): 300 derandomized
+    programs. It finds the reset-preempted store state above within them when TABLE
+    forgets that the connector hears of the preemption at the next step."""
+    profile = settings(profiles.get("ci"), max_examples=4 * 300)
+    result = run_scheduler_check("inclusive-cpu", profile, None, vllm=False)
+    assert result["conforms"], result["reproducer"]
+    assert result["programs"] >= 300 and result["rules"].get("reset_prefix_cache", 0) > 0

@@ -15,6 +15,11 @@ to a later step's output. The model is the release's variant with vLLM 0.34.0's 
 A check of the release table names this machine with ``machine="scheduler"``
 (:mod:`kvoffload.upstream.releases`); ``kvoffload verify --target vllm==X`` runs it beside the
 offload target, in the same measured process.
+
+Without vLLM (``vllm=False``) the same programs drive the model alone, every invariant checked
+after every call: the scheduling vLLM's scheduler taught the model (its admission gates,
+resets that preempt, worker outputs processed as vLLM does) held to the model's own
+invariants, which a release's variant that breaks them cannot be (its check is off there).
 """
 
 from __future__ import annotations
@@ -36,12 +41,12 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvoffload.model import OffloadConfig, OffloadModel, SetupError
+from kvoffload.model import InvariantViolation, OffloadConfig, OffloadModel, SetupError
 from kvoffload.model.types import KVEvent
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.lockstep import Call, as_outcome
 from kvoffload.testing.stateful import PROMPTS, SKIP_READING, TAILS, Recorder
-from kvoffload.upstream.scheduler import VllmScheduler, compare_call, scheduling
+from kvoffload.upstream.scheduler import VllmScheduler, compare_call, model_call, scheduling
 
 # Full-attention groups: one of blocks of 4 or 8 (vLLM's one-group coordinator hashes whole
 # blocks only), or two of 4 and 8 tokens hashed in blocks of 4 (the hybrid coordinator: keys
@@ -60,6 +65,7 @@ class SchedulerMachine(RuleBasedStateMachine):
 
     variant: ClassVar[str]
     recorder: ClassVar[Recorder]
+    vllm: ClassVar[bool] = True  # False: the model alone, every invariant checked
 
     @initialize(
         layout=st.sampled_from(LAYOUTS),
@@ -96,8 +102,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             check=keeps_invariants(variant),
             scheduling=scheduling(whole),
         )
+        self.target: VllmScheduler | None = None
         try:
-            self.target = VllmScheduler(self.config, whole)
+            if type(self).vllm:
+                self.target = VllmScheduler(self.config, whole)
         except Exception as error:
             raise SetupError(
                 f"vLLM's scheduler cannot be built for {self.config}: {as_outcome(error)}"
@@ -119,9 +127,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             rec.count(rec.rules, rule_name)
             self.rule_steps += 1
             rec.rule_steps += 1
-        found = compare_call(
-            self.model, self.target, call, len(self.program) - 1, self.model_events
-        )
+        n = len(self.program) - 1
+        if self.target is None:
+            found = invariant_broken(self.model, call, n)
+        else:
+            found = compare_call(self.model, self.target, call, n, self.model_events)
         if found:
             if rec.first_failure is None:
                 rec.first_failure = time.perf_counter() - rec.started
@@ -131,6 +141,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 "config": repr(self.config),
                 "whole_sequence_admission": self.whole,
                 "variant": type(self).variant,
+                "vllm": self.target is not None,
                 "program": list(self.program),
                 "rules": self.rule_steps,
             }
@@ -224,16 +235,40 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.run(("reset_prefix_cache", reset_connector), "reset_prefix_cache")
 
 
-def scheduler_machine(variant: str, recorder: Recorder) -> type[SchedulerMachine]:
+def invariant_broken(model: OffloadModel, call: Call, n: int) -> str | None:
+    """Call ``n`` on the model alone: the invariant it breaks, or None."""
+    try:
+        model_call(model, call)
+    except InvariantViolation as error:
+        return f"call {n} {call!r}: {error}"
+    return None
+
+
+def scheduler_machine(
+    variant: str, recorder: Recorder, vllm: bool = True
+) -> type[SchedulerMachine]:
+    if not vllm and not keeps_invariants(variant):
+        raise ValueError(f"the model alone is checked by its invariants, which {variant} breaks")
     return type(
-        "VllmSchedulerMachine",
+        "VllmSchedulerMachine" if vllm else "SchedulingMachine",
         (SchedulerMachine,),
-        {"variant": variant, "recorder": recorder},
+        {"variant": variant, "recorder": recorder, "vllm": vllm},
     )
 
 
 def reproducer(failure: dict[str, Any]) -> str:
-    """A runnable program that replays ``failure`` (a ``first_difference`` call)."""
+    """A runnable program that replays ``failure``: a ``first_difference`` call, or without
+    vLLM, the model with every invariant checked."""
+    if not failure.get("vllm", True):
+        return (
+            "from kvoffload.model import OffloadConfig, OffloadModel\n"
+            "from kvoffload.upstream.scheduler import model_call, scheduling\n\n"
+            f"program = {failure['program']!r}\n"
+            f"model = OffloadModel({failure['config']}, {failure['variant']!r}, check=True, "
+            f"scheduling=scheduling({failure['whole_sequence_admission']}))\n"
+            "for call in program:\n"
+            "    print(call, model_call(model, call))\n"
+        )
     return (
         "from kvoffload.model import OffloadConfig\n"
         "from kvoffload.upstream.scheduler import first_difference\n\n"
@@ -244,15 +279,20 @@ def reproducer(failure: dict[str, Any]) -> str:
 
 
 def run_scheduler_check(
-    variant: str, profile: settings, seconds: float | None, seed: int | None = None
+    variant: str,
+    profile: settings,
+    seconds: float | None,
+    seed: int | None = None,
+    vllm: bool = True,
 ) -> dict[str, Any]:
     """The machine over vLLM's scheduler against ``variant`` of the model, for ``profile``'s
     examples (a quarter of them: a program here costs about four of the offload target's),
     or in batches for ``seconds``; the result as :func:`kvoffload.upstream.check.run_checks`
     reports one. A random profile runs batch ``k`` from seed ``seed + k`` (``seed`` drawn
-    when not given), as the offload machine's campaign does."""
+    when not given), as the offload machine's campaign does. ``vllm=False``: the model
+    alone, held to its invariants."""
     recorder = Recorder()
-    machine = scheduler_machine(variant, recorder)
+    machine = scheduler_machine(variant, recorder, vllm)
     examples = max(1, profile.max_examples // 4)
     batch = settings(profile, max_examples=25 if seconds else examples)
     if seed is None and not batch.derandomize:
