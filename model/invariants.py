@@ -513,8 +513,8 @@ def _table_named(state: Engine, req_id: str) -> bool:
     and the connector told. A preempted request whose load finished holds its loaded blocks,
     still preempted (as vLLM marks it), and its store state learns them when it is scheduled,
     as a waiting one's. A request a prefix-cache reset preempted is told to the connector by
-    the next step's output (vLLM's ``preempted_req_ids``), which drops its store state: until
-    then that state names the blocks the reset freed."""
+    the next step's output (vLLM's ``preempted_req_ids``), which empties its store state's
+    table and cursors: until then that state names the blocks the reset freed."""
     status = state.requests[req_id].status
     if status is RequestStatus.PREEMPTED:
         return req_id not in state.req_to_blocks and req_id not in state.reset_preempted

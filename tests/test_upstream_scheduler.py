@@ -89,8 +89,8 @@ CASES: list[tuple[str, list[tuple[Any, ...]], bool, bool, str | None]] = [
     ("OffloadConfig(7, 12, (4,), 4)", HOLDERS, False, False, None),
     ("OffloadConfig(7, 2, (4,), 4, lazy=True)", PREEMPTED_LOAD, False, False, None),
     ("OffloadConfig(12, 16, (4,), 4, kv_events=True)", WEIGHT_UPDATE, True, True, None),
-    # a reset preempting r1 while its store is in flight: the connector drops the store
-    # state at the next step
+    # a reset preempting r1 while its store is in flight: the connector empties the store
+    # state's table at the next step
     ("OffloadConfig(4, 2, (4,), 4)", RESET_PREEMPTS_A_STORE, True, True, None),
     # loads aborted while in flight, reported in one output with the stores
     ("OffloadConfig(4, 12, (8,), 8, lazy=True)", ABORTED_LOADS, False, False, None),
