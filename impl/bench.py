@@ -379,6 +379,14 @@ class Bench:
         # a small batch is bound by a copy's fixed cost as the path is.
         own = sorted(r.batched_gbps / r.contiguous_gbps for r in covered)
         target = CUDA_COPY_TARGET if cuda else COPY_TARGET
+        # Host memory: a loop of one memmove per block, its addresses computed beforehand,
+        # is what copying block by block can reach at best (the C library's copy and a
+        # call per block, nothing else); where it is under the target, so is every path
+        # that copies scattered blocks one by one.
+        loops = sorted(r.block_memmove_gbps / r.limit_gbps for r in covered if r.block_memmove_gbps)
+        vs_loop = sorted(
+            r.batched_gbps / r.block_memmove_gbps for r in covered if r.block_memmove_gbps
+        )
         return {
             "limit": "one large cudaMemcpyAsync" if cuda else "memmove of the same bytes",
             "cases": len(covered),
@@ -389,6 +397,10 @@ class Bench:
             "median_vs_contiguous": own[len(own) // 2] if own else None,
             "target": target,
             "met": bool(ratios) and min(ratios) >= target,
+            "loop_cases_below_target": sum(x < target for x in loops) if loops else None,
+            "median_loop_ratio": loops[len(loops) // 2] if loops else None,
+            "min_vs_loop": vs_loop[0] if vs_loop else None,
+            "median_vs_loop": vs_loop[len(vs_loop) // 2] if vs_loop else None,
         }
 
     def scheduler_target(self) -> dict[str, Any]:
@@ -488,6 +500,16 @@ def summary(bench: Bench) -> list[str]:
             f"{copies['min_vs_contiguous']:.2f} at least, median "
             f"{copies['median_vs_contiguous']:.2f}."
         )
+        if copies["median_loop_ratio"] is not None:
+            lines.append(
+                f"- The same cases copied by a loop of one `memmove` per block (addresses "
+                f"computed beforehand: the C library's copy and one call per block, nothing "
+                f"else): under the target in {copies['loop_cases_below_target']} of "
+                f"{copies['cases']} cases, median {copies['median_loop_ratio']:.2f} of the "
+                f"limit, so no path that copies scattered blocks one by one reaches it there. "
+                f"Batched / that loop: {copies['min_vs_loop']:.2f} at least, median "
+                f"{copies['median_vs_loop']:.2f}."
+            )
     sched = bench.scheduler_target()
     for size, spread in sched["flatness"].items():
         totals = [r.total for r in bench.scheduler if r.block_size == int(size)]
@@ -532,7 +554,13 @@ def report(bench: Bench) -> str:
         )
         + ";",
         "`contiguous` is one torch copy of the same bytes and `naive` one copy per block, for",
-        "reference. `ids`: source ids sequential or scattered.",
+        "reference"
+        + (
+            "; `memmove loop` one `memmove` per block, addresses computed beforehand."
+            if any(r.block_memmove_gbps is not None for r in bench.copies)
+            else "."
+        ),
+        "`ids`: source ids sequential or scattered.",
     ]
     mapped = any(r.mapped_gbps is not None for r in bench.copies)
     if mapped:
@@ -541,15 +569,18 @@ def report(bench: Bench) -> str:
             "consecutive on the host side and `mapped` the plan forced to kernels over the host",
             "memory mapped into the device; `batched` is the one the worker picks.",
         ]
+    loop = any(r.block_memmove_gbps is not None for r in bench.copies)
     extra = " dma GB/s | mapped GB/s |" if mapped else ""
+    extra += " memmove loop GB/s |" if loop else ""
     lines += [
         "",
         "| direction | host | block | batch | ids | limit GB/s | batched GB/s | contiguous GB/s"
         f" | naive GB/s |{extra} batched / limit |",
-        "|---|---|---|---|---|---|---|---|---|" + "---|" * (3 if mapped else 1),
+        "|---|---|---|---|---|---|---|---|---|" + "---|" * (1 + 2 * mapped + loop),
     ]
     for r in bench.copies:
         cells = f" {_gbps(r.dma_gbps)} | {_gbps(r.mapped_gbps)} |" if mapped else ""
+        cells += f" {_gbps(r.block_memmove_gbps)} |" if loop else ""
         lines.append(
             f"| {r.direction} | {r.host} | {r.block_bytes // KIB} KiB | {r.batch} | {r.pattern}"
             f" | {r.limit_gbps:.2f} | {r.batched_gbps:.2f} | {r.contiguous_gbps:.2f}"

@@ -757,6 +757,9 @@ class Connector:
         gpu, cpu = self.gpu, self.cpu
         extra, keys, tokens = gpu.extra_keys, gpu.key, gpu.key_tokens
         events = cpu.events
+        if events is None and not extra:  # primaries only, nothing published: in a batch
+            cpu.register_all([keys[b] for b in copy.gpu], copy.cpu, [tokens[b] for b in copy.gpu])
+            return
         for i, (gpu_block, cpu_block) in enumerate(zip(copy.gpu, copy.cpu, strict=True)):
             key = keys[gpu_block]
             assert key is not None, f"stored gpu block {gpu_block} lost its key"

@@ -174,6 +174,22 @@ class Pool:
             self.extra_keys.setdefault(block, set()).add(key)
         self._map(key, block)
 
+    def register_all(
+        self, keys: Sequence[str | None], blocks: Sequence[int], tokens: Sequence[int | None]
+    ) -> None:
+        """:meth:`register` of ``keys[i]`` on ``blocks[i]`` with ``tokens[i]``, in order; a
+        block with no key yet taking a key no block holds (a store into fresh CPU blocks,
+        the common case) without the call."""
+        own, own_tokens, index, extra = self.key, self.key_tokens, self.index, self.extra_keys
+        for key, block, count in zip(keys, blocks, tokens, strict=True):
+            assert key is not None, f"{self.name} pool: block {block} registered without a key"
+            if own[block] is None and key not in index and not (extra and block in extra):
+                own[block] = key
+                own_tokens[block] = count
+                index[key] = block
+            else:
+                self.register(key, block, count)
+
     def register_full(
         self, keys: Sequence[str], blocks: Sequence[int], first_tokens: int, size: int
     ) -> None:
