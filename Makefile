@@ -21,7 +21,8 @@ $(VENV)/.ready: $(SOURCES)
 		--config-settings editable_mode=strict
 	touch $@
 
-# A short conformance campaign of the implementation, then the mutation matrix.
+# A short conformance campaign of the implementation, then the mutation matrix (its
+# campaigns one process per core).
 verify: venv
 	$(BIN)/kvoffload verify --seconds 30
 
@@ -38,9 +39,11 @@ verify-vllm: venv
 history: venv
 	$(BIN)/kvoffload history --releases --install
 
+# The tests one process per core (pytest-xdist): each test's outcome is its own, whatever
+# runs beside it.
 test: venv
 	$(BIN)/kvoffload prove
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n auto
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy -p kvoffload

@@ -67,6 +67,14 @@ def _whole(text: str, minimum: int) -> int:
     return value
 
 
+# The mutation matrix's campaigns are independent and CPU-bound: one process per core.
+JOBS = os.cpu_count() or 1
+JOBS_HELP = (
+    "processes that run the mutation matrix's campaigns at once (default: one per core, "
+    "here %(default)s); the verdict is the same for any number"
+)
+
+
 def count(text: str) -> int:
     """A whole number >= 1 (workers)."""
     return _whole(text, 1)
@@ -160,6 +168,7 @@ def build_parser() -> Parser:
         "its release's variant, or to the model variant named)",
     )
     verify.add_argument("--no-mutants", action="store_true", help="skip the mutation matrix")
+    verify.add_argument("--jobs", type=count, default=JOBS, help=JOBS_HELP)
     verify.add_argument(
         "--seed", type=seed, help="a random profile's seed (printed by every campaign)"
     )
@@ -185,6 +194,7 @@ def build_parser() -> Parser:
     mutants.add_argument(
         "--write", type=output_file, help="also write the bug catalogue page to this file"
     )
+    mutants.add_argument("--jobs", type=count, default=JOBS, help=JOBS_HELP)
     replay = sub.add_parser(
         "replay", help="a saved failure as a pytest file, or run again", epilog=EXIT_CODES
     )
@@ -306,10 +316,16 @@ def _run(args: argparse.Namespace) -> int:
 
         if args.command == "verify":
             return campaign.run_verify(
-                args.profile, args.seconds, args.target, not args.no_mutants, args.seed, args.json
+                args.profile,
+                args.seconds,
+                args.target,
+                not args.no_mutants,
+                args.seed,
+                args.json,
+                args.jobs,
             )
         if args.command == "mutants":
-            return campaign.run_mutants(args.profile, args.write)
+            return campaign.run_mutants(args.profile, args.write, args.jobs)
         return campaign.run_replay(args.failure, args.output, args.run)
     if args.command == "fuzz":
         from kvoffload.testing.fuzz import run_fuzz

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import random
 import re
 import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -280,10 +282,45 @@ def simpler_config(
     return config
 
 
-def mutation_matrix(profile: settings, progress: bool = False) -> list[CampaignResult]:
-    """Every fault of the catalogue, one campaign each. Under a derandomized profile (``ci``)
-    the outcome is the same on every machine."""
-    return [fault_campaign(name, profile, progress) for name in FAULTS]
+def mutation_matrix(
+    profile_name: str,
+    progress: bool = False,
+    jobs: int = 1,
+    faults: Sequence[str] = tuple(FAULTS),
+) -> list[CampaignResult]:
+    """Every fault of the catalogue (or of ``faults``), one campaign each, under the profile
+    registered as ``profile_name``, in that order. Under a derandomized profile (``ci``) the
+    outcome is the same on every machine, and with any number of ``jobs``: the campaigns
+    share nothing, so ``jobs > 1`` runs them in that many processes at once."""
+    unknown = [name for name in faults if name not in FAULTS]
+    if unknown:
+        raise ConfigError(f"unknown faults {unknown}; the catalogue has {sorted(FAULTS)}")
+    profile = profiles.get(profile_name)
+    if jobs <= 1:
+        return [fault_campaign(name, profile, progress) for name in faults]
+    # Spawned, not forked: the implementation's copy streams run threads, and a fork
+    # copies none of them (a child would wait on a stream nobody serves).
+    context = multiprocessing.get_context("spawn")
+    results: dict[str, CampaignResult] = {}
+    with ProcessPoolExecutor(min(jobs, len(faults)), mp_context=context) as pool:
+        running = {pool.submit(_fault_campaign, name, profile_name): name for name in faults}
+        for done in as_completed(running):
+            result = done.result()
+            results[running[done]] = result
+            if progress:
+                print(
+                    f"{result.adapter}: {result.recorder.programs} programs, "
+                    f"{result.recorder.steps} steps, {result.seconds:.0f} s "
+                    f"({len(results)} of {len(faults)})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    return [results[name] for name in faults]
+
+
+def _fault_campaign(name: str, profile_name: str) -> CampaignResult:
+    """:func:`fault_campaign` in a worker process (a profile travels by its name)."""
+    return fault_campaign(name, profiles.get(profile_name))
 
 
 def fault_campaign(name: str, profile: settings, progress: bool = False) -> CampaignResult:
@@ -292,11 +329,10 @@ def fault_campaign(name: str, profile: settings, progress: bool = False) -> Camp
     return run_campaign(f"fault:{name}", profile, progress=progress, loads=False)
 
 
-def matrix_profile(profile_name: str | None) -> tuple[str, settings]:
+def matrix_profile(profile_name: str | None) -> str:
     """The matrix runs ``ci`` (derandomized) unless ``nightly`` was asked for: a fault it
     misses must mean the machine regressed, not that a random run was unlucky."""
-    name = "nightly" if profile_name == "nightly" else "ci"
-    return name, profiles.get(name)
+    return "nightly" if profile_name == "nightly" else "ci"
 
 
 def mutation_table(results: list[CampaignResult]) -> str:
@@ -340,10 +376,12 @@ def run_verify(
     mutants: bool,
     seed: int | None = None,
     json_path: str | None = None,
+    jobs: int = 1,
 ) -> int:
     """``kvoffload verify``: a campaign on ``target`` (default: the implementation), then the
-    mutation matrix. Exit status 0 when it conforms and every fault is found within the
-    targets, 1 otherwise; ``json_path`` receives the same as a report (:func:`report`)."""
+    mutation matrix (in ``jobs`` processes). Exit status 0 when it conforms and every fault
+    is found within the targets, 1 otherwise; ``json_path`` receives the same as a report
+    (:func:`report`)."""
     profile = profiles.load(profile_name)
     adapter = target or default_adapter()
     known = adapters()
@@ -354,8 +392,8 @@ def run_verify(
     ok = result.conforms
     matrix = None
     if mutants:
-        name, matrix_settings = matrix_profile(profile_name)
-        matrix = mutation_matrix(matrix_settings, progress=True)
+        name = matrix_profile(profile_name)
+        matrix = mutation_matrix(name, progress=True, jobs=jobs)
         print(f"\nmutation matrix ({name} profile):\n" + mutation_table(matrix))
         print(matrix_verdict(matrix))
         ok = ok and matrix_meets_targets(matrix)
@@ -449,9 +487,9 @@ def matrix_verdict(matrix: list[CampaignResult]) -> str:
     )
 
 
-def run_mutants(profile_name: str | None, write: str | None) -> int:
-    name, profile = matrix_profile(profile_name)
-    matrix = mutation_matrix(profile, progress=True)
+def run_mutants(profile_name: str | None, write: str | None, jobs: int = 1) -> int:
+    name = matrix_profile(profile_name)
+    matrix = mutation_matrix(name, progress=True, jobs=jobs)
     print(mutation_table(matrix))
     print(matrix_verdict(matrix))
     if write:

@@ -12,12 +12,14 @@ from pathlib import Path
 import pytest
 
 from kvoffload.impl import FAULTS
+from kvoffload.model.errors import ConfigError
 from kvoffload.model.invariants import CHECKS
 from kvoffload.testing import profiles
 from kvoffload.testing.campaign import (
     MAX_SHRUNK_STEPS,
     fault_campaign,
     matrix_verdict,
+    mutation_matrix,
     mutation_table,
 )
 
@@ -53,3 +55,25 @@ def test_the_table_says_which_program_of_the_stream_first_failed(
     row = next(line for line in table if line.startswith("| no-final-flush |"))
     assert row.split(" | ")[3] == str(program)
     assert matrix_verdict([result]).endswith(f"the latest first failure in program {program}")
+
+
+def test_the_matrix_in_several_processes_is_the_matrix_in_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # kvoffload verify and mutants run the campaigns one per core: under the derandomized
+    # profile the same faults must be found with the same shrunk programs, in catalogue order.
+    monkeypatch.chdir(tmp_path)
+    faults = ["pin-dropped-early", "phantom-primary"]
+    alone = mutation_matrix("ci", faults=faults)
+    together = mutation_matrix("ci", jobs=2, faults=faults)
+    assert [r.adapter for r in together] == [f"fault:{name}" for name in faults]
+    for one, other in zip(alone, together, strict=True):
+        assert not one.conforms and not other.conforms
+        assert one.failure is not None and other.failure is not None
+        assert one.failure["program"] == other.failure["program"]
+        assert one.recorder.programs == other.recorder.programs
+
+
+def test_the_matrix_refuses_a_fault_it_does_not_know() -> None:
+    with pytest.raises(ConfigError, match="unknown faults \\['no-such-fault'\\]"):
+        mutation_matrix("ci", jobs=2, faults=["phantom-primary", "no-such-fault"])
