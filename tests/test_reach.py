@@ -14,13 +14,19 @@ import pytest
 from kvoffload.main import main
 from kvoffload.upstream.install import Cache, default_cache
 from kvoffload.upstream.reach import (
+    DEAD,
     HEADLINE,
+    SCHEDULER,
+    UNREACHABLE,
     WATCHED,
     FileReach,
+    Unreachable,
+    counted_out,
     from_report,
     load,
     missed_lines,
     missed_ranges,
+    reachable_summary,
     table,
 )
 
@@ -69,6 +75,67 @@ def test_a_report_keeps_the_watched_files_the_release_has(tmp_path: Path) -> Non
     assert load(saved) == reaches
 
 
+SOURCE = """\
+def f(state):
+    if state is None:
+        return
+    for x in state:
+        if x:
+            g(x)
+    return 1
+
+
+def h(state):
+    if state is None:
+        return 0
+    if state is None:
+        return 1
+"""
+
+
+def test_an_unreachable_entry_is_found_by_its_text_in_its_function() -> None:
+    body = Unreachable("x.py", "f", "for x in state:", 1, 2, DEAD, "a loop never entered")
+    assert body.lines(SOURCE) == range(5, 7)
+    itself = Unreachable("x.py", "f", "return", 0, 1, DEAD, "the early return")
+    assert itself.lines(SOURCE) == range(3, 4)
+    # An anchor twice in its function, or a function the source lacks: not located.
+    assert Unreachable("x.py", "h", "if state is None:", 1, 1, DEAD, "").lines(SOURCE) is None
+    assert Unreachable("x.py", "k", "return", 0, 1, DEAD, "").lines(SOURCE) is None
+
+
+def test_missed_statements_listed_unreachable_are_counted_out_and_ran_ones_reported() -> None:
+    entries = (
+        Unreachable("x.py", "f", "for x in state:", 1, 2, DEAD, "never entered"),
+        Unreachable("x.py", "f", "if state is None:", 1, 1, SCHEDULER, "no state"),
+        Unreachable("x.py", "k", "return", 0, 1, DEAD, "a function of another release"),
+        Unreachable("y.py", "f", "return", 0, 1, DEAD, "another file"),
+    )
+    # Line 5 is missed, line 6 ran (the list is wrong there), line 3 is missed.
+    out, ran, unlocated = counted_out("x.py", SOURCE, {3, 5, 7}, {2, 4, 6}, entries)
+    assert out == ((3, SCHEDULER), (5, DEAD)) and ran == (6,) and unlocated == 1
+    reach = FileReach("x.py", 7, 4, 0, 0, (3, 5, 7), (), (2, 4, 6), out, ran, unlocated)
+    assert reach.reachable_statements == 5 and reach.reachable_percent == 80.0
+    summary = reachable_summary(reach)
+    assert summary.startswith("x.py: 4 of the 5 statements a run can reach ran (80.0%)")
+    assert f"1 of {SCHEDULER}" in summary and f"1 of {DEAD}" in summary
+    assert "LISTED UNREACHABLE BUT RAN: 6" in summary and "1 of the list's entries" in summary
+
+
+def test_every_unreachable_entry_is_in_vllm_0_34() -> None:
+    # The list is written against 0.34.0's manager.py: each entry names one place there, and
+    # every line it spans is code (neither blank nor a comment).
+    cache = Cache(default_cache())
+    if not cache.installed("0.34.0"):
+        pytest.skip("vllm==0.34.0 is not installed: kvoffload install vllm==0.34.0")
+    source = (cache.release("0.34.0") / "vllm" / HEADLINE).read_text()
+    text = source.splitlines()
+    for entry in UNREACHABLE:
+        lines = entry.lines(source)
+        assert lines is not None, entry
+        for n in lines:
+            assert text[n - 1].strip() and not text[n - 1].strip().startswith("#"), (entry, n)
+
+
 def test_coverage_is_for_vllm_targets_only(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["verify", "--target", "impl", "--coverage", "--no-mutants"]) == 2
     assert "--coverage measures vLLM's code" in capsys.readouterr().err
@@ -111,6 +178,11 @@ def test_vllm_0_34_is_measured_while_its_checks_run(tmp_path: Path) -> None:
     # reached: a null block handed off (vLLM's scheduler hands off only blocks it has just
     # keyed, and so does the model's engine).
     missed = manager["missing_lines"]
+    # The statements listed unreachable: none ran, every entry is in 0.34.0's source, and
+    # the figure of the rest is reported.
+    assert manager["ran_unreachable"] == [] and manager["unlocated"] == 0
+    assert manager["unreachable"] and all(n in missed for n, _ in manager["unreachable"])
+    assert "statements a run can reach ran" in run.stdout
     assert line_of("self.cpu_coordinator.find_longest_cache_hit(") not in missed
     assert line_of("gpu_pool = self._gpu_block_pool") not in missed
     assert line_of("stats.dropped_null_block += 1") in missed

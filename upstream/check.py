@@ -38,7 +38,15 @@ from kvoffload.upstream.install import (
     run_variables,
     write_model,
 )
-from kvoffload.upstream.reach import INSTALL, FileReach, Recorder, load, missed_lines, table
+from kvoffload.upstream.reach import (
+    INSTALL,
+    FileReach,
+    Recorder,
+    load,
+    missed_lines,
+    reachable_summary,
+    table,
+)
 from kvoffload.upstream.releases import Check
 from kvoffload.upstream.targets import VllmTarget, checks_for, parse
 
@@ -201,6 +209,9 @@ def print_reach(label: str, reaches: list[FileReach], html: str | None) -> None:
     for reach in reaches:
         if reach.missing_lines:
             print(f"{reach.path} missed lines: {missed_lines(reach)}")
+    for reach in reaches:
+        if reach.unreachable or reach.ran_unreachable or reach.unlocated:
+            print(reachable_summary(reach))
     if html:
         print(f"annotated source: {Path(html) / 'index.html'}")
 

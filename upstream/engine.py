@@ -274,9 +274,13 @@ class VllmConnector:
                 # process: two loads finished together free shared blocks in either order
                 # (docs/upstream.md). A sorted list gives the model's order on every run.
                 finished_recving=sorted(finished_recving),
+                # vLLM's workers send no metadata when no store completed
+                # (build_connector_worker_meta returns None), so neither does the adapter.
                 kv_connector_worker_meta=self.WorkerMetadata(
                     completed_store_events=completed_store_events
-                ),
+                )
+                if completed_store_events
+                else None,
             )
         )
 

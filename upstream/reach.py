@@ -9,16 +9,26 @@ files of :data:`WATCHED` that the release has. The figures are coverage.py's: a 
 covered when it ran, a branch (an arc from a line with two or more ways out) when it was
 taken; :class:`FileReach` keeps each file's counts and its missed lines and arcs.
 
+Some statements no run can reach: code no caller gets to (dead), and guards against calls
+vLLM's own ``Scheduler`` never makes (it binds the GPU pool at construction, and looks up,
+allocates and sends a request's load in one ``schedule()``). :data:`UNREACHABLE` lists them
+with the reason, located by their text (:class:`Unreachable`), and
+:attr:`FileReach.reachable_percent` is the share of the rest that ran: the figure issue 12's
+target is stated in.
+
 Invariants kept:
 
 - the figures are of one process's whole run: every check of the target, the warm-up
   included (what it runs, the campaign would run in its first program);
 - a watched file that the release does not have is absent from the report, never shown as
-  0% (:func:`measured` lists what was there).
+  0% (:func:`measured` lists what was there);
+- a statement listed unreachable that ran is reported as such
+  (:attr:`FileReach.ran_unreachable`), never counted out: every measurement checks the list.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 from dataclasses import asdict, dataclass
@@ -59,6 +69,21 @@ class FileReach:
     missing_lines: tuple[int, ...]
     missing_branches: tuple[tuple[int, int], ...]
     executed_lines: tuple[int, ...]
+    # Missed statements UNREACHABLE counts out, with their kind; statements it lists that
+    # ran; its entries for this file that the release's source lacks.
+    unreachable: tuple[tuple[int, str], ...] = ()
+    ran_unreachable: tuple[int, ...] = ()
+    unlocated: int = 0
+
+    @property
+    def reachable_statements(self) -> int:
+        return self.statements - len(self.unreachable)
+
+    @property
+    def reachable_percent(self) -> float:
+        """Of the statements a run can reach, the share that ran."""
+        total = self.reachable_statements
+        return 100.0 * self.covered_statements / total if total else 100.0
 
     @property
     def statement_percent(self) -> float:
@@ -80,6 +105,8 @@ class FileReach:
             "statement_percent": round(self.statement_percent, 1),
             "branch_percent": round(self.branch_percent, 1),
             "percent": round(self.percent, 1),
+            "reachable_statements": self.reachable_statements,
+            "reachable_percent": round(self.reachable_percent, 1),
         }
 
 
@@ -138,16 +165,24 @@ def from_report(report: dict[str, Any], root: Path) -> list[FileReach]:
         if data is None:
             continue
         summary = data["summary"]
+        rel = str(path.relative_to(root))
+        missing, executed = data["missing_lines"], data["executed_lines"]
+        unreachable, ran, unlocated = counted_out(
+            rel, path.read_text(), set(missing), set(executed)
+        )
         reaches.append(
             FileReach(
-                path=str(path.relative_to(root)),
+                path=rel,
                 statements=summary["num_statements"],
                 covered_statements=summary["covered_lines"],
                 branches=summary.get("num_branches", 0),
                 covered_branches=summary.get("covered_branches", 0),
-                missing_lines=tuple(data["missing_lines"]),
+                missing_lines=tuple(missing),
                 missing_branches=tuple((a, b) for a, b in data.get("missing_branches", ())),
-                executed_lines=tuple(data["executed_lines"]),
+                executed_lines=tuple(executed),
+                unreachable=unreachable,
+                ran_unreachable=ran,
+                unlocated=unlocated,
             )
         )
     return reaches
@@ -161,6 +196,8 @@ def load(json_file: Path) -> list[FileReach]:
         fields["missing_lines"] = tuple(fields["missing_lines"])
         fields["missing_branches"] = tuple((a, b) for a, b in fields["missing_branches"])
         fields["executed_lines"] = tuple(fields["executed_lines"])
+        fields["unreachable"] = tuple((n, kind) for n, kind in fields.get("unreachable", ()))
+        fields["ran_unreachable"] = tuple(fields.get("ran_unreachable", ()))
         out.append(FileReach(**fields))
     return out
 
@@ -197,3 +234,244 @@ def missed_ranges(reach: FileReach) -> list[tuple[int, int]]:
 def missed_lines(reach: FileReach) -> str:
     """:func:`missed_ranges` written out: ``12-15, 40, 88-90``."""
     return ", ".join(str(a) if a == b else f"{a}-{b}" for a, b in missed_ranges(reach))
+
+
+@dataclass(frozen=True)
+class Unreachable:
+    """Statements of ``path`` that no run reaches, and why. Located by text, so that one
+    entry holds for every release whose code there is the same: in the function
+    ``function``, the one line whose text (stripped) is ``anchor``; then ``count`` lines
+    from ``offset`` lines below it (0: the anchor itself)."""
+
+    path: str  # relative to the vllm package, as in WATCHED
+    function: str
+    anchor: str
+    offset: int
+    count: int
+    kind: str  # DEAD or SCHEDULER
+    what: str  # the case, in a few words
+
+    def lines(self, source: str) -> range | None:
+        """The entry's lines in ``source``, or None where the function or its anchor line is
+        absent (or not unique): a release whose code differs there."""
+        functions = [
+            node
+            for node in ast.walk(ast.parse(source))
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+            and node.name == self.function
+        ]
+        if len(functions) != 1:
+            return None
+        node = functions[0]
+        text = source.splitlines()
+        end = node.end_lineno or node.lineno
+        found = [n for n in range(node.lineno, end + 1) if text[n - 1].strip() == self.anchor]
+        if len(found) != 1:
+            return None
+        first = found[0] + self.offset
+        return range(first, first + self.count)
+
+
+# The two reasons; the reasoning of each entry is in docs/upstream.md ("What is reached,
+# measured").
+DEAD = "dead code"
+SCHEDULER = "a call vLLM's scheduler never makes"
+_MANAGER = HEADLINE
+UNREACHABLE = (
+    # Not listed: the allocation of no external tokens after a lookup that found some (the
+    # lines before this entry's). vLLM's scheduler makes it where a fine-grained local hit
+    # keeps its sub-block tail, where an auxiliary connector caps the hit, and under
+    # DeepSeek-V4.1's bounded replay.
+    Unreachable(
+        _MANAGER,
+        "update_state_after_alloc",
+        "if pending is None:",
+        1,
+        8,
+        # The scheduler passes at most what the lookup returned, and the lookup records a
+        # pending hit whenever it returns more than 0.
+        SCHEDULER,
+        "external tokens allocated without a lookup that found them",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_prepare_lazy_store_specs",
+        "if gpu_pool is None or self._target_free <= 0:",
+        1,
+        1,
+        # Scheduler.__init__ binds the pool (bind_kv_cache_manager); the lazy target is at
+        # least twice the blocks of one step's budget.
+        SCHEDULER,
+        "a store selection before the GPU pool is bound",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_prepare_eager_store_specs",
+        "if gpu_block_pool is None:",
+        1,
+        1,
+        SCHEDULER,
+        "a store selection before the GPU pool is bound",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_prepare_eager_store_specs",
+        "if admission is _StoreAdmission.NULL_BLOCK:",
+        1,
+        2,
+        # The Mamba manager offers cached blocks and copy-on-write copies, never the null
+        # block.
+        SCHEDULER,
+        "a null block offered",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_classify_store_candidate",
+        "if gpu_block.is_null:",
+        1,
+        1,
+        # Its callers: the hand-offs (no null block offered) and the lazy scan of the free
+        # queue (the null block is never free).
+        SCHEDULER,
+        "a null block offered",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_prepare_eager_store_specs",
+        "if num_new_tokens == 0:",
+        1,
+        1,
+        SCHEDULER,
+        "a request in the step's output with no token scheduled",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_prepare_eager_store_specs",
+        "if not block_ids_by_group:",
+        1,
+        1,
+        DEAD,
+        "a table has one list per KV cache group, so it is never empty",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_process_store_event",
+        "return  # guard stale events from before a reset() call",
+        0,
+        1,
+        # Each worker reports an event once; the event stays in one of the two maps until
+        # the last report completes it.
+        SCHEDULER,
+        "a store event reported after it completed",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_process_store_event",
+        "if state is None:",
+        1,
+        1,
+        # Only a request with a store state is listed under an event, and its cleanup
+        # takes it off every event it lists.
+        DEAD,
+        "an event lists only requests whose store state is there",
+    ),
+    Unreachable(
+        _MANAGER,
+        "request_finished",
+        "self._cleanup_load_request(req_id)",
+        0,
+        1,
+        # The load state made by update_state_after_alloc gets its event in the same
+        # schedule() (build_connector_meta): no finish falls between.
+        SCHEDULER,
+        "a finish between a load's allocation and its sending",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_cleanup_load_request",
+        "state = self._abandoned_reqs_to_load.pop(req_id, None)",
+        2,
+        1,
+        SCHEDULER,
+        "a load reported done for a request with no load",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_cleanup_load_request",
+        "if state.load_event is None:",
+        1,
+        1,
+        SCHEDULER,
+        "a load cleaned up before it was sent",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_cleanup_store_request",
+        "if state is None:",
+        1,
+        1,
+        DEAD,
+        "both callers hold the request's store state",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_cleanup_store_request",
+        "for event_idx in list(state.store_events):",
+        1,
+        5,
+        DEAD,
+        "both callers clean up only once no store is in flight",
+    ),
+    Unreachable(
+        _MANAGER,
+        "reset",
+        "if state.load_event is None:",
+        1,
+        2,
+        SCHEDULER,
+        "a reset between a load's allocation and its sending",
+    ),
+)
+
+
+def counted_out(
+    path: str,
+    source: str,
+    missing: set[int],
+    executed: set[int],
+    entries: tuple[Unreachable, ...] = UNREACHABLE,
+) -> tuple[tuple[tuple[int, str], ...], tuple[int, ...], int]:
+    """For the file ``path`` whose text is ``source``: each missed statement that ``entries``
+    place there, with its kind; the statements they place there that ran (the list is wrong
+    there); and how many of the entries for the file the source lacks."""
+    out: dict[int, str] = {}
+    ran: set[int] = set()
+    unlocated = 0
+    for entry in entries:
+        if entry.path != path:
+            continue
+        lines = entry.lines(source)
+        if lines is None:
+            unlocated += 1
+            continue
+        out.update((n, entry.kind) for n in lines if n in missing)
+        ran.update(n for n in lines if n in executed)
+    return tuple(sorted(out.items())), tuple(sorted(ran)), unlocated
+
+
+def reachable_summary(reach: FileReach) -> str:
+    """The line ``verify --coverage`` prints under its table for a file with statements
+    counted out."""
+    kinds: dict[str, int] = {}
+    for _, kind in reach.unreachable:
+        kinds[kind] = kinds.get(kind, 0) + 1
+    line = (
+        f"{reach.path}: {reach.covered_statements} of the {reach.reachable_statements} "
+        f"statements a run can reach ran ({reach.reachable_percent:.1f}%); counted out: "
+        + ", ".join(f"{n} of {kind}" for kind, n in sorted(kinds.items()))
+    )
+    if reach.ran_unreachable:
+        line += f"; LISTED UNREACHABLE BUT RAN: {', '.join(map(str, reach.ran_unreachable))}"
+    if reach.unlocated:
+        line += f"; {reach.unlocated} of the list's entries are not in this release's source"
+    return line

@@ -212,9 +212,12 @@ class VllmScheduler:
                     # the loads' CPU blocks in its iteration order, which for a set follows
                     # string hashing (docs/upstream.md); the model's is sorted.
                     finished_recving=loads,
+                    # None when no store completed, as vLLM's workers report it.
                     kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(
                         completed_store_events=stores
-                    ),
+                    )
+                    if stores
+                    else None,
                 ),
             ),
         )

@@ -251,7 +251,11 @@ def build(config: OffloadConfig) -> World:
                 vllm_config=vllm_config,
                 kv_cache_config=kv_cache_config,
                 cpu_capacity_bytes=capacity,
-                num_cpu_blocks=config.cpu_blocks,
+                # vLLM sizes the CPU pool from an explicit count (0.33.0 on, checked against
+                # the capacity) or, without one, from the capacity in bytes: each on half
+                # the configurations, by the parity of the count (the pool's size is
+                # asserted below either way).
+                num_cpu_blocks=config.cpu_blocks if config.cpu_blocks % 2 else None,
                 scheduler_block_size=config.scheduler_block_size,
                 hash_block_size=config.hash_block_size,
                 lazy_offload=config.lazy,
