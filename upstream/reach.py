@@ -278,6 +278,17 @@ DEAD = "dead code"
 SCHEDULER = "a call vLLM's scheduler never makes"
 _MANAGER = HEADLINE
 UNREACHABLE = (
+    Unreachable(
+        _MANAGER,
+        "get_num_new_matched_tokens",
+        "if num_computed_tokens % self.block_size != 0:",
+        6,  # past the comment
+        7,
+        # Its one caller, Scheduler.schedule, passes the local hit rounded down to the
+        # scheduler block (the same size: both come from resolve_kv_cache_block_sizes).
+        SCHEDULER,
+        "a lookup after a local hit off a scheduler-block boundary",
+    ),
     # Not listed: the allocation of no external tokens after a lookup that found some (the
     # lines before this entry's). vLLM's scheduler makes it where a fine-grained local hit
     # keeps its sub-block tail, where an auxiliary connector caps the hit, and under
