@@ -181,7 +181,8 @@ class OffloadConfig:
                 # hash block turns on sub-block hits (copy-on-write tails), not modelled.
                 raise ConfigError(
                     f"Mamba group {g}'s block size {size} is not the hash block size "
-                    f"{self.hash_block_size} (fine-grained hits are not modelled)"
+                    f"{self.hash_block_size} (fine-grained hits are not modelled; "
+                    "docs/fine-grained.md reads vLLM's code for them)"
                 )
 
     def _check_dcp(self) -> None:
