@@ -183,6 +183,11 @@ def test_vllm_0_34_is_measured_while_its_checks_run(tmp_path: Path) -> None:
     assert manager["ran_unreachable"] == [] and manager["unlocated"] == 0
     assert manager["unreachable"] and all(n in missed for n, _ in manager["unreachable"])
     assert "statements a run can reach ran" in run.stdout
+    # Reached because the adapters act as vLLM does: a step whose workers completed no store
+    # sends no worker metadata, and the CPU pool is sized from its bytes on the
+    # configurations with an even number of CPU blocks.
+    assert line_of("if not isinstance(meta, SimpleCPUOffloadWorkerMetadata):") + 1 not in missed
+    assert line_of("num_cpu_blocks = (") not in missed
     assert line_of("self.cpu_coordinator.find_longest_cache_hit(") not in missed
     assert line_of("gpu_pool = self._gpu_block_pool") not in missed
     assert line_of("stats.dropped_null_block += 1") in missed

@@ -29,6 +29,7 @@ Invariants kept:
 from __future__ import annotations
 
 import ast
+import functools
 import importlib.util
 import json
 from dataclasses import asdict, dataclass
@@ -254,22 +255,27 @@ class Unreachable:
     def lines(self, source: str) -> range | None:
         """The entry's lines in ``source``, or None where the function or its anchor line is
         absent (or not unique): a release whose code differs there."""
-        functions = [
-            node
-            for node in ast.walk(ast.parse(source))
-            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
-            and node.name == self.function
-        ]
-        if len(functions) != 1:
+        spans = _function_spans(source).get(self.function, [])
+        if len(spans) != 1:
             return None
-        node = functions[0]
+        start, end = spans[0]
         text = source.splitlines()
-        end = node.end_lineno or node.lineno
-        found = [n for n in range(node.lineno, end + 1) if text[n - 1].strip() == self.anchor]
+        found = [n for n in range(start, end + 1) if text[n - 1].strip() == self.anchor]
         if len(found) != 1:
             return None
         first = found[0] + self.offset
         return range(first, first + self.count)
+
+
+@functools.lru_cache(maxsize=4)
+def _function_spans(source: str) -> dict[str, list[tuple[int, int]]]:
+    """Each function of ``source`` by name: its first and last lines (one parse per file,
+    however many entries locate themselves in it)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            spans.setdefault(node.name, []).append((node.lineno, node.end_lineno or node.lineno))
+    return spans
 
 
 # The two reasons; the reasoning of each entry is in docs/upstream.md ("What is reached,
