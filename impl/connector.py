@@ -86,6 +86,14 @@ class Connector:
         self.sizes = config.group_block_sizes
         self.align = config.scheduler_block_size
         self.hbs = config.hash_block_size
+        # Fine-grained CPU hits. The lookups stay scheduler-block-aligned: in every layout
+        # the configuration admits with them (each Mamba block the scheduler block, keyed
+        # at its end only), a hit at a hash boundary inside a scheduler block has no Mamba
+        # state to end on, so the hash-aligned lookup finds what the aligned one does
+        # (tests/test_lookup.py checks the model's two lookups agree there).
+        self.fine = config.cpu_fine_grained_hits
+        # The first full-attention group: the one whose prompt tail a final flush stores.
+        self.tail_group = config.first_full_attention_group
         # Spec groups (block size, window, chunk, Mamba, group ids): full attention first;
         # one group list empty when every group is full attention (looked up together, the
         # fast path).
@@ -582,6 +590,13 @@ class Connector:
             if b != NULL and key[b] is not None and b not in in_flight and key[b] not in index
         ]
 
+    def cacheable(self, num_computed: int) -> int:
+        """The computed tokens a scan may store the blocks of: whole scheduler blocks, or
+        all of them with fine-grained CPU hits (a hit may then end on any hash boundary)."""
+        if self.fine:
+            return num_computed
+        return num_computed // self.align * self.align
+
     def ready(self, group: int, confirmed: int, table_len: int) -> int:
         """How far the scan of ``group`` may reach: the blocks ``confirmed`` (aligned) tokens
         fill, at most the table."""
@@ -593,7 +608,7 @@ class Connector:
         """Blocks to store from each cursor up to the confirmed tokens; cursor advances;
         whether selection stopped for lack of CPU blocks. A block that is skipped is passed
         (its cursor advances); selection stops at the first storable block with no room."""
-        confirmed = tracker.request.num_computed_tokens // self.align * self.align
+        confirmed = self.cacheable(tracker.request.num_computed_tokens)
         room = self.cpu.num_free
         picked: list[int] = []
         advanced = [0] * len(tables)
@@ -624,7 +639,7 @@ class Connector:
         block's primary and the request's fine-grained keys inside it (vLLM's
         ``BlockStoreMeta``); positions found again from the cursors, as ``select`` saw them."""
         request = tracker.request
-        confirmed = request.num_computed_tokens // self.align * self.align
+        confirmed = self.cacheable(request.num_computed_tokens)
         where: dict[int, tuple[int, int]] = {}
         for g, table in enumerate(tables):
             if self.mamba[g]:
@@ -692,14 +707,60 @@ class Connector:
         if tracker is None:
             return None
         picked, _, _ = self.select(tracker, tables)
+        tail = self.prompt_tail(request, tables)
+        tail_taken = (
+            tail is not None
+            and self.tail_unpicked(tail, picked)
+            and len(picked) < self.cpu.num_free
+        )
+        if tail_taken:
+            assert tail is not None
+            picked.append(tail)
         if not picked:
             return None
-        meta = self.meta_of(tracker, tables, picked) if self.cpu.events is not None else None
+        meta = None
+        if self.cpu.events is not None:
+            scanned = picked[:-1] if tail_taken else picked
+            meta = self.meta_of(tracker, tables, scanned) + ([{}] if tail_taken else [])
         flush = Copy(picked, self.reserve(picked), meta)
         self.flushes.append(flush)
         self.in_flight.update(picked)
         self.gpu.pin(picked)
         return flush
+
+    def tail_unpicked(self, tail: int, picked: list[int]) -> bool:
+        """Whether the final flush's scan left the prompt tail's block out: one CPU block
+        per GPU block (a decode that filled the tail's block made it the scan's)."""
+        return tail not in picked
+
+    def tail_boundary(self, request: ImplRequest) -> int:
+        """The last hash boundary of the prompt a resend can hit (its last token is
+        recomputed), at most the request's hashed tokens."""
+        hbs = self.hbs
+        return min((request.num_prompt - 1) // hbs, len(request.digests)) * hbs
+
+    def prompt_tail(self, request: ImplRequest, tables: tuple[list[int], ...]) -> int | None:
+        """With fine-grained CPU hits, the GPU block of the first full-attention group that
+        holds the prompt's tail key inside it (the last hash boundary a resend can hit),
+        when the CPU pool lacks that key and no store of the block is in flight (vLLM
+        0.34.0's ``_find_fa_partial_tail_source``)."""
+        if not self.fine:
+            return None
+        g, hbs = self.tail_group, self.hbs
+        size = self.sizes[g]
+        boundary = self.tail_boundary(request)
+        if not 0 < boundary <= request.num_computed_tokens or boundary % size == 0:
+            return None
+        table = tables[g]
+        if boundary // size >= len(table):
+            return None
+        block = table[boundary // size]
+        if block == NULL or block in self.in_flight:
+            return None
+        key = request.fine_key(boundary // hbs - 1, g)
+        if self.gpu.key[block] != key and not self.gpu.has(key, block):
+            return None
+        return None if self.cpu.find(key) is not None else block
 
     # -- completions ----------------------------------------------------------------------
 

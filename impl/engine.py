@@ -316,6 +316,9 @@ class ImplEngine:
         hbs = self.config.hash_block_size
         rid = req.request_id
         boundary = req.num_prompt // hbs * hbs
+        if self.config.fine_grained_hits:
+            # vLLM 0.33.0 on (fine-grained hits): the last boundary a resend can hit.
+            boundary = min((req.num_prompt - 1) // hbs, len(req.digests)) * hbs
         for g, size in enumerate(self.sizes):
             ids = self.tables[rid][g]
             done = self.cached[rid][g]

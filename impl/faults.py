@@ -401,6 +401,33 @@ class HandoffStoresCached(Connector):
             self.cpu.index = index
 
 
+class NoPartialTail(Connector):
+    """vLLM <= 0.29.0 (S13, PR #54736 in 0.30.0): with fine-grained hits, a prompt that ends
+    on a hash boundary inside a full-attention block never has that tail stored: the final
+    flush takes whole blocks only, so a hit can never end there from the CPU."""
+
+    def prompt_tail(self, request: ImplRequest, tables: tuple[list[int], ...]) -> int | None:
+        return None
+
+
+class TailAtPromptEnd(Connector):
+    """vLLM 0.30.0 to 0.33.0 (S28; 0.34.0 looks where the GPU side keys it): the final flush
+    looks for the prompt tail at the prompt's last hash boundary, one boundary past the tail
+    the GPU side registers when the prompt ends on a hash boundary, so it stores nothing."""
+
+    def tail_boundary(self, request: ImplRequest) -> int:
+        return request.num_prompt // self.hbs * self.hbs
+
+
+class TailStoredTwice(Connector):
+    """vLLM 0.34.0's guard (``partial_tail not in gpu_ids``) left out: when a decode filled
+    the prompt tail's block, the final flush's scan selects it and the tail lookup appends
+    it again, two CPU blocks for one GPU block in one store."""
+
+    def tail_unpicked(self, tail: int, picked: list[int]) -> bool:
+        return True
+
+
 @dataclass(frozen=True)
 class Fault:
     """A named fault; ``breaks`` is the invariant of ``docs/spec.md`` it violates, or
@@ -439,6 +466,9 @@ FAULTS: dict[str, Fault] = {
         Fault("chunk-unaligned-hits", ChunkUnalignedHits, "LOAD-TARGET"),
         Fault("dcp-per-rank-blocks", DcpPerRankBlocks, "SKIP"),
         Fault("handoff-stores-cached", HandoffStoresCached, "BOUNDARY"),
+        Fault("no-partial-tail", NoPartialTail, "TAIL"),
+        Fault("tail-at-prompt-end", TailAtPromptEnd, "TAIL"),
+        Fault("tail-stored-twice", TailStoredTwice, "TAIL"),
         Fault("stats-pending-skips-abandoned", StatsPendingSkipsAbandoned, "STATS"),
         Fault("stats-load-count-kept", StatsLoadCountKept, "STATS"),
         Fault("reset-reports-gpu-only", ResetReportsGpuOnly, "RESET"),

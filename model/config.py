@@ -19,8 +19,10 @@ Invariants kept here (checked once, at construction):
   and every group's block size, and above 1 only when every group is full attention (vLLM
   0.34.0's coordinator asserts it of sliding-window and chunked local groups);
 - ``mamba`` is empty or names, per group, whether it is a Mamba group in align mode (a bool);
-  a Mamba group has no window and no chunk, and its block size is the hash block size (a
-  larger one makes vLLM serve fine-grained hits, not modelled);
+  a Mamba group has no window and no chunk; its block size is the hash block size, or larger
+  (vLLM then serves fine-grained hits, ``fine_grained_hits``), in which case every group is
+  full attention or Mamba and every Mamba block is the scheduler block (what is modelled of
+  fine-grained hits: docs/fine-grained.md);
 - at least one group is full attention (vLLM's offload scheduler matches prefixes on one).
 """
 
@@ -175,14 +177,26 @@ class OffloadConfig:
                 continue
             if self.window(g) is not None or self.chunk(g) is not None:
                 raise ConfigError(f"Mamba group {g} has a sliding window or an attention chunk")
-            size = self.group_block_sizes[g]
-            if size != self.hash_block_size:
-                # vLLM's partial_hash_hits_enabled: an align-mode Mamba group larger than the
-                # hash block turns on sub-block hits (copy-on-write tails), not modelled.
+        if not self.fine_grained_hits:
+            return
+        # vLLM's partial_hash_hits_enabled: an align-mode Mamba group larger than the hash
+        # block turns on hits that end on any hash boundary. Modelled where they cannot end
+        # inside a scheduler block (no Mamba state keyed there, no copy-on-write of a
+        # partially hit block): docs/fine-grained.md, section 7.
+        for g in range(self.num_groups):
+            if self.window(g) is not None or self.chunk(g) is not None:
                 raise ConfigError(
-                    f"Mamba group {g}'s block size {size} is not the hash block size "
-                    f"{self.hash_block_size} (fine-grained hits are not modelled; "
-                    "docs/fine-grained.md reads vLLM's code for them)"
+                    f"group {g} is a sliding-window or chunked local group beside a Mamba "
+                    f"group larger than the hash block {self.hash_block_size} (fine-grained "
+                    "hits beside them are not modelled; docs/fine-grained.md)"
+                )
+            size = self.group_block_sizes[g]
+            if self.is_mamba(g) and size != self.scheduler_block_size:
+                raise ConfigError(
+                    f"Mamba group {g}'s block size {size} is neither the hash block size "
+                    f"{self.hash_block_size} nor the scheduler block size "
+                    f"{self.scheduler_block_size} (fine-grained hits inside a scheduler "
+                    "block need copy-on-write, not modelled; docs/fine-grained.md)"
                 )
 
     def _check_dcp(self) -> None:
@@ -221,6 +235,30 @@ class OffloadConfig:
     def is_mamba(self, group: int) -> bool:
         """Whether ``group`` is a Mamba group (align mode)."""
         return bool(self.mamba) and self.mamba[group]
+
+    @property
+    def fine_grained_hits(self) -> bool:
+        """Whether lookups may end on any hash boundary, not only on scheduler blocks (vLLM's
+        ``partial_hash_hits_enabled``: a Mamba group in align mode larger than the hash
+        block, and every other group able to look up at hash granularity). vLLM's GPU side
+        has them whenever this holds; its offload connector's CPU side only in eager mode
+        (``cpu_fine_grained_hits``)."""
+        return any(
+            self.is_mamba(g) and size > self.hash_block_size
+            for g, size in enumerate(self.group_block_sizes)
+        )
+
+    @property
+    def cpu_fine_grained_hits(self) -> bool:
+        """Whether the offload connector's CPU lookups are fine-grained (vLLM builds its CPU
+        coordinator with ``allow_partial_hash_hits=not lazy_offload``)."""
+        return self.fine_grained_hits and not self.lazy
+
+    @property
+    def first_full_attention_group(self) -> int:
+        """The first full-attention group: the one vLLM's offload scheduler matches prefixes
+        and stores prompt tails on (its ``fa_gidx``)."""
+        return next(g for g in range(self.num_groups) if self.full_attention(g))
 
     def full_attention(self, group: int) -> bool:
         """Whether ``group`` is full attention: no window, no chunk, not Mamba."""

@@ -40,8 +40,15 @@ scheduled, and handed to the connector in the step's output (vLLM's boundary-sta
 hand-offs), since it leaves the table at the next allocation; a waiting request whose Mamba
 hit was cached in this very step waits (its state is computed by this step's forward).
 
-Not modelled: speculative decoding, Mamba's fine-grained hits and prefill checkpoints,
-encoder inputs.
+Fine-grained hits (a Mamba group larger than the hash block, every Mamba block the
+scheduler block): lookups are aligned to the hash block, keys are registered as blocks fill
+(not rounded to the scheduler block), and a block of several hash blocks registers the
+prompt's tail at the last boundary a resend can hit (vLLM 0.33.0 on). A prefill chunk does not
+stop at the prompt's tail inside a Mamba block, so no Mamba state is keyed there and no hit
+ends inside a scheduler block: vLLM's scheduler stops there, and what follows (copy-on-write
+of a partially hit block, the ``partial_tail`` branch) is not modelled (docs/fine-grained.md).
+
+Not modelled: speculative decoding, Mamba's prefill checkpoints, encoder inputs.
 
 Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 
@@ -70,7 +77,7 @@ from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError
 from kvoffload.model.keys import BlockKey, block_keys, extend_digests, fine_key
 from kvoffload.model.lookup import find_hybrid_hit
-from kvoffload.model.offload import Disposition, OffloadScheduler, Transfer
+from kvoffload.model.offload import Disposition, OffloadScheduler, Transfer, resend_boundary
 from kvoffload.model.types import StepResult
 
 # Decoded tokens come from a small alphabet so that continuations are shared, as with
@@ -319,7 +326,12 @@ class Engine:
                 req.shared_prefix_boundary = 0
                 if not req.skip_reading_prefix_cache:
                     hit_blocks, local, longest = find_hybrid_hit(
-                        self.gpu_pool, req.digests, 0, req.num_tokens - 1, self.config
+                        self.gpu_pool,
+                        req.digests,
+                        0,
+                        req.num_tokens - 1,
+                        self.config,
+                        fine=self.config.fine_grained_hits,
                     )
                     req.shared_prefix_boundary = longest if longest > local else 0
                 external, load_async = self.connector.get_num_new_matched_tokens(req, local)
@@ -635,8 +647,9 @@ class Engine:
     def cache_blocks(self, req: Request, num_tokens: int) -> None:
         """Register the keys of ``req``'s full blocks up to ``num_tokens``, and its prompt tail."""
         hbs = self.config.hash_block_size
-        if self.scheduling.aligned_caching:
-            # vLLM's hybrid coordinator: only what a hit could end on (one group: its blocks).
+        if self.scheduling.aligned_caching and not self.config.fine_grained_hits:
+            # vLLM's hybrid coordinator: only what a hit could end on (one group: its blocks;
+            # with fine-grained hits, every hash boundary: nothing is rounded).
             size = self.config.scheduler_block_size
             num_tokens = num_tokens // size * size
         for g, size in enumerate(self.config.group_block_sizes):
@@ -656,10 +669,11 @@ class Engine:
             # that block: as its primary while the block is partial, as a secondary key once
             # the block is full (vLLM's FullAttentionManager._cache_partial_tail_block).
             boundary = len(req.prompt) // hbs * hbs
-            if self.scheduling.resend_tail:
+            if self.scheduling.resend_tail or self.config.fine_grained_hits:
                 # The last boundary a resend of the prompt can hit (its last token is
-                # recomputed), the prompt's hashed tokens at most.
-                boundary = min((len(req.prompt) - 1) // hbs, len(req.digests)) * hbs
+                # recomputed), the prompt's hashed tokens at most. Fine-grained hits are
+                # modelled from vLLM 0.33.0 on, whose GPU side registers this one.
+                boundary = resend_boundary(req, hbs)
             if boundary == 0 or boundary > num_tokens or boundary % size == 0:
                 continue
             index = boundary // size
@@ -748,8 +762,11 @@ class Engine:
         tracked = request_id in self.connector.reqs_to_store
         flushed = self.connector.request_finished_all_groups(req, block_ids)
         if tracked:
-            aligned = req.num_computed_tokens // self.config.scheduler_block_size
-            aligned *= self.config.scheduler_block_size
+            aligned = req.num_computed_tokens
+            if not self.config.cpu_fine_grained_hits:
+                # Without fine-grained hits a scan reaches whole scheduler blocks only.
+                aligned = aligned // self.config.scheduler_block_size
+                aligned *= self.config.scheduler_block_size
             self.finish_records.append(
                 FinishRecord(
                     request_id,

@@ -53,6 +53,10 @@ REGISTERED, RESET) are checked on the ghost records of the last driver call.
 - BOUNDARY: a boundary-state hand-off is stored only for a live tracked request (not
   finished, not preempted in the step), its block not null, keyed, not in flight, its key
   not in the CPU map; it is dropped as its request's being gone only when it is.
+- TAIL: with fine-grained CPU hits, a final flush takes the block holding the request's
+  prompt tail (the first full-attention group's, inside a block) exactly when the block holds
+  the tail's key, is not in flight, was not selected by the scan, the CPU map lacks the key
+  and the CPU pool has a block free past the scan's.
 - RECOVER: a store scan passes over a null position as null only when the GPU pool caches no
   block under its key; otherwise it takes the cached block in its place.
 - POSITION: a block a store scan takes for a position of a request holds that position's key
@@ -489,6 +493,15 @@ def boundary(state: Engine) -> Iterator[str]:
             yield f"a hand-off of {r.request_id} (gpu block {r.gpu_block_id}) was dropped, live"
 
 
+def tail(state: Engine) -> Iterator[str]:
+    for r in state.connector.tail_log:
+        due = r.holds_key and not (r.was_in_flight or r.was_in_cpu_map or r.selected)
+        if r.taken and not (due and r.room):
+            yield f"the final flush of {r.request_id} took its prompt tail against the rules: {r}"
+        if due and r.room and not r.taken:
+            yield f"the final flush of {r.request_id} left its prompt tail behind: {r}"
+
+
 def recover(state: Engine) -> Iterator[str]:
     for r in state.connector.null_log:
         if r.gpu_cached and r.recovered is None:
@@ -624,6 +637,7 @@ CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
     "WINDOW": window,
     "MAMBA": mamba,
     "BOUNDARY": boundary,
+    "TAIL": tail,
     "RECOVER": recover,
     "POSITION": position,
     "TABLE": table,
@@ -688,6 +702,7 @@ def exercised(state: Engine) -> set[str]:
             groups[g] for groups in state.req_to_blocks.values() for g in state.mamba_groups
         ),
         "BOUNDARY": bool(c.boundary_log),
+        "TAIL": bool(c.tail_log),
         "RECOVER": bool(c.null_log),
         "POSITION": any(s.picks for s in c.selection_log),
         "TABLE": any(

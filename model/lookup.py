@@ -20,7 +20,14 @@ The candidate starts at ``max_length`` and every group may lower it; the groups 
 again until no group lowers it (once only with one full-attention and one other group, as
 vLLM's ``is_simple_hybrid``). Full-attention groups keep the blocks that cover the hit.
 
-Invariants: the hit is a multiple of the scheduler block size and at most ``max_length``;
+Fine-grained hits (``fine``: vLLM's ``enable_partial_hash_hits``, a Mamba group larger than
+the hash block): hits are aligned to the hash block, not the scheduler block. Full attention
+then also probes the hash boundaries inside its first block past the run, from the highest
+down (a block keyed at the prompt's tail), and a Mamba group larger than the hash block takes
+the last cached state at any hash boundary.
+
+Invariants: the hit is a multiple of the alignment (the scheduler block size, or the hash
+block size with fine-grained hits) and at most ``max_length``;
 each returned non-null block is registered under the key of its position; a sliding-window
 group's blocks are nulls followed by a run of cached blocks that ends at the hit; a chunked
 local group's blocks are the nulls of whole chunks followed by cached blocks; a Mamba group's
@@ -34,7 +41,7 @@ from typing import TYPE_CHECKING
 
 from kvoffload.model.arith import align_down, window_run
 from kvoffload.model.block_pool import Block, BlockPool
-from kvoffload.model.keys import BlockKey, block_keys
+from kvoffload.model.keys import BlockKey, block_keys, fine_key
 
 if TYPE_CHECKING:
     from kvoffload.model.config import OffloadConfig
@@ -69,15 +76,33 @@ def _extend_run(
 def _full_attention_hit(
     pool: BlockPool,
     keys: list[list[BlockKey]],
+    fine_keys: list[list[BlockKey]],
     block_size: int,
     max_length: int,
     alignment: int,
     skip: Container[int],
 ) -> tuple[list[list[Block]], int]:
-    """vLLM's ``FullAttentionManager.find_longest_cache_hit`` (block-aligned lookups)."""
+    """vLLM's ``FullAttentionManager.find_longest_cache_hit``: the run of cached blocks from
+    the start; with an alignment finer than the block (fine-grained hits), then the highest
+    hash boundary inside the next block that some block holds the key of (``fine_keys``: per
+    group, the key of each hash block's end)."""
     blocks: list[list[Block]] = [[] for _ in keys]
     _extend_run(pool, keys, blocks, 0, max_length // block_size, skip)
-    hit = align_down(len(blocks[0]) * block_size, alignment)
+    hit = len(blocks[0]) * block_size
+    if alignment < block_size and block_size % alignment == 0:
+        scale = block_size // alignment
+        first = len(blocks[0]) * scale
+        for j in range(
+            min(first + scale - 1, max_length // alignment, len(fine_keys[0])) - 1, first - 1, -1
+        ):
+            found = _cached(pool, fine_keys, j, skip)
+            if found is None:
+                continue
+            for group, block in zip(blocks, found, strict=True):
+                group.append(block)
+            hit = (j + 1) * alignment
+            break
+    hit = align_down(hit, alignment)
     return [group[: -(-hit // block_size)] for group in blocks], hit
 
 
@@ -136,14 +161,24 @@ def _chunked_local_hit(
 def _mamba_hit(
     pool: BlockPool,
     keys: list[list[BlockKey]],
+    fine_keys: list[list[BlockKey]],
     block_size: int,
     max_length: int,
     alignment: int,
     skip: Container[int],
 ) -> tuple[list[list[Block]], int]:
-    """vLLM's ``MambaManager.find_longest_cache_hit`` in align mode without fine-grained
-    hits: the last cached state at or below ``max_length`` that ends on an aligned
-    boundary."""
+    """vLLM's ``MambaManager.find_longest_cache_hit`` in align mode: the last cached state
+    at or below ``max_length`` that ends on an aligned boundary; with an alignment finer
+    than the block (fine-grained hits), the last cached state at any hash boundary
+    (``fine_keys``: per group, the key of each hash block's end), after the nulls of the
+    blocks before it."""
+    if alignment < block_size and block_size % alignment == 0:
+        scale = block_size // alignment
+        for j in range(min(max_length // alignment, len(fine_keys[0])) - 1, -1, -1):
+            found = _cached(pool, fine_keys, j, skip)
+            if found is not None:
+                return [[pool.null_block] * (j // scale) + [b] for b in found], (j + 1) * alignment
+        return [[] for _ in keys], 0
     for i in range(min(max_length // block_size, len(keys[0])) - 1, -1, -1):
         if (i + 1) * block_size % alignment:
             continue
@@ -160,10 +195,14 @@ def find_longest_cache_hit(
     max_length: int,
     config: OffloadConfig,
     skip: Container[int] = (),
+    fine: bool = False,
 ) -> tuple[tuple[list[Block], ...], int]:
     """The blocks of the longest hit after ``num_computed_tokens``, and its length; the
-    blocks in ``skip`` are passed over as if they were not cached."""
-    blocks, hit, _ = find_hybrid_hit(pool, digests, num_computed_tokens, max_length, config, skip)
+    blocks in ``skip`` are passed over as if they were not cached; ``fine``: fine-grained
+    hits (the alignment is the hash block)."""
+    blocks, hit, _ = find_hybrid_hit(
+        pool, digests, num_computed_tokens, max_length, config, skip, fine
+    )
     return blocks, hit
 
 
@@ -174,11 +213,13 @@ def find_hybrid_hit(
     max_length: int,
     config: OffloadConfig,
     skip: Container[int] = (),
+    fine: bool = False,
 ) -> tuple[tuple[list[Block], ...], int, int]:
     """:func:`find_longest_cache_hit`, and the longest hit any one kind found on the way
     (vLLM's ``longest_hit_length``: a prefix some group caches past the common hit)."""
     sizes = config.group_block_sizes
-    alignment = config.scheduler_block_size
+    hbs = config.hash_block_size
+    alignment = hbs if fine else config.scheduler_block_size
     # Spec groups: (window, chunk, Mamba, block size) -> group ids, full attention first.
     specs: dict[tuple[int | None, int | None, bool, int], list[int]] = {}
     for g, size in enumerate(sizes):
@@ -190,6 +231,18 @@ def find_hybrid_hit(
         g: block_keys(digests, g, size, config.hash_block_size)[num_computed_tokens // size :]
         for g, size in enumerate(sizes)
     }
+    # The key of each hash block's end, from the lookup's start (fine-grained probes).
+    fine_keys = (
+        {
+            g: [
+                fine_key(digests, j, g, hbs)
+                for j in range(num_computed_tokens // hbs, len(digests))
+            ]
+            for g in range(len(sizes))
+        }
+        if fine
+        else {g: [] for g in range(len(sizes))}
+    )
     result: dict[int, list[Block]] = {g: [] for g in range(len(sizes))}
     full_hits: dict[tuple[int | None, int | None, bool, int], int] = {}
     simple = len(order) == 2 and order[0][:3] == (None, None, False)
@@ -205,13 +258,16 @@ def find_hybrid_hit(
                 candidate = min(candidate, full_hits[spec])
                 continue
             group_keys = [keys[g] for g in specs[spec]]
+            group_fine_keys = [fine_keys[g] for g in specs[spec]]
             if full:
                 found, candidate = _full_attention_hit(
-                    pool, group_keys, size, candidate, alignment, skip
+                    pool, group_keys, group_fine_keys, size, candidate, alignment, skip
                 )
                 full_hits[spec] = candidate
             elif mamba:
-                found, candidate = _mamba_hit(pool, group_keys, size, candidate, alignment, skip)
+                found, candidate = _mamba_hit(
+                    pool, group_keys, group_fine_keys, size, candidate, alignment, skip
+                )
             elif chunk is not None:
                 found, candidate = _chunked_local_hit(
                     pool, group_keys, size, chunk, candidate, skip

@@ -6,7 +6,11 @@ them off), with the kv-cache events of the CPU tier.
 It owns the CPU pool and borrows the engine's GPU pool. In eager mode, per step it selects
 newly confirmed GPU blocks of every scheduled request, reserves CPU blocks for them, pins the
 GPU blocks and sends one store event; at finish it queues a final flush that the next store
-event carries. In lazy mode (``OffloadConfig.lazy``), per step it walks the GPU free queue
+event carries. With fine-grained hits (``OffloadConfig.cpu_fine_grained_hits``) its lookups
+end on any hash boundary, its scans reach every block the confirmed tokens fill, and the
+final flush also stores the block holding the prompt's tail (the first full-attention group's
+last hash boundary before the prompt's last token, inside a block), so that a hit can end
+there from the CPU. In lazy mode (``OffloadConfig.lazy``), per step it walks the GPU free queue
 from its head (the blocks evicted next), up to ``lazy_target_free`` blocks, and stores the
 cached ones whose key the CPU pool does not hold; when their store completes they go back
 to the head of the GPU queue, since the CPU now holds them. In both modes completions
@@ -55,12 +59,15 @@ Invariants kept (checked by :mod:`kvoffload.model.invariants`):
 - BOUNDARY: a boundary-state hand-off (a Mamba state the scheduler keyed this step) is
   stored only for a live tracked request, its block not null, keyed, not in flight, its key
   not in the CPU map; every hand-off is counted under one outcome in the stats.
+- TAIL: a final flush stores the block holding its request's prompt tail exactly when the
+  block holds the tail's key, is neither in flight nor selected by the scan, the CPU map
+  lacks the key and the CPU pool has room for it.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import TYPE_CHECKING
 
@@ -233,6 +240,25 @@ class BoundaryRecord:
 
 
 @dataclass(frozen=True)
+class TailRecord:
+    """A final flush with fine-grained CPU hits, the first full-attention group's prompt
+    tail inside a block of the request's table, and the facts observed when it was decided:
+    whether the map held the tail's key for that block, whether the block was in flight,
+    whether the CPU map held the key, whether the scan selected the block, whether the CPU
+    pool had a block free past the scan's, and whether the flush took it."""
+
+    request_id: str
+    boundary: int
+    gpu_block_id: int
+    holds_key: bool
+    was_in_flight: bool
+    was_in_cpu_map: bool
+    selected: bool
+    room: bool
+    taken: bool
+
+
+@dataclass(frozen=True)
 class StoredRecord:
     """A ``stored`` event as it was published, and whether the CPU map held its key then."""
 
@@ -256,6 +282,15 @@ class ResetRecord:
     returned: bool
     abandoned: bool
     cpu_idle: bool
+
+
+def resend_boundary(request: Request, hash_block_size: int) -> int:
+    """The prompt tail a full-attention block of several hash blocks registers when it ends
+    inside the block, with fine-grained hits: the last hash boundary a resend of the prompt
+    can hit (its last token is recomputed), at most the request's hashed tokens (vLLM 0.33.0
+    on, ``FullAttentionManager._cache_partial_tail_block``)."""
+    hbs = hash_block_size
+    return min((len(request.prompt) - 1) // hbs, len(request.digests)) * hbs
 
 
 def _at(keys: list[BlockKey], index: int) -> BlockKey | None:
@@ -324,6 +359,7 @@ class OffloadScheduler:
         self.null_log: list[NullRecord] = []
         self.stored_log: list[StoredRecord] = []
         self.boundary_log: list[BoundaryRecord] = []
+        self.tail_log: list[TailRecord] = []
 
     # -- lookup and load ------------------------------------------------------------------
 
@@ -388,7 +424,12 @@ class OffloadScheduler:
         """
         while True:
             blocks, hit = find_longest_cache_hit(
-                self.cpu_pool, digests, num_computed_tokens, max_hit_len, self.config
+                self.cpu_pool,
+                digests,
+                num_computed_tokens,
+                max_hit_len,
+                self.config,
+                fine=self.config.cpu_fine_grained_hits,
             )
             damaged = [b.block_id for g in blocks for b in g if b.block_id in self.cpu_pool.damaged]
             if not damaged:
@@ -442,7 +483,11 @@ class OffloadScheduler:
 
     def ready_count(self, num_computed: int, group_block_size: int, table_len: int) -> int:
         """How many of a group's table positions the eager scan may reach: those whole
-        scheduler blocks of confirmed tokens fill (:func:`~kvoffload.model.arith.ready_blocks`)."""
+        scheduler blocks of confirmed tokens fill (:func:`~kvoffload.model.arith.ready_blocks`);
+        with fine-grained CPU hits, those the confirmed tokens fill (vLLM's
+        ``get_num_cacheable_tokens`` rounds nothing then)."""
+        if self.config.cpu_fine_grained_hits:
+            return min(table_len, num_computed // group_block_size)
         return ready_blocks(num_computed, self.block_size, group_block_size, table_len)
 
     def _free_pending_cpu_hit(self, pending: PendingHit) -> None:
@@ -995,6 +1040,22 @@ class OffloadScheduler:
         if state is None:
             return None
         gpu_ids, _, meta = self._select_eager_blocks_to_store(state, block_ids, final_flush=True)
+        tail = self._find_fa_partial_tail_source(request, block_ids)
+        observed = self._observe_tail(request, block_ids, gpu_ids)
+        taken = (
+            tail is not None
+            # A decode that filled the tail block made it the scan's: one CPU block for it.
+            and tail not in gpu_ids
+            and len(gpu_ids) < self.cpu_pool.num_free_blocks
+        )
+        if observed is not None:
+            self.tail_log.append(replace(observed, taken=taken))
+        if taken:
+            assert tail is not None
+            gpu_ids.append(tail)
+            if meta is not None:
+                # Its keys are read at completion: the event carries no payload.
+                meta.append({})
         if not gpu_ids:
             return None
         cpu_blocks = self.allocate_store_destinations(gpu_ids)
@@ -1004,6 +1065,72 @@ class OffloadScheduler:
         # Pinned before the engine frees the request's own refs.
         self.gpu_pool.touch([self.gpu_pool.blocks[i] for i in gpu_ids])
         return transfer
+
+    def fa_tail_boundary(self, request: Request) -> int:
+        """Where the final flush looks for the prompt tail: where the GPU side registers it
+        (vLLM 0.34.0; S28)."""
+        return resend_boundary(request, self.hash_block_size)
+
+    def _find_fa_partial_tail_source(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> int | None:
+        """The GPU block of the first full-attention group's prompt tail, when a finishing
+        request's final flush must store it (vLLM 0.30.0 on, S13): with fine-grained CPU
+        hits, a tail inside a block of the computed tokens, registered on the block (as its
+        primary or a secondary key), neither in flight nor on the CPU yet."""
+        if not self.config.cpu_fine_grained_hits:
+            return None
+        group = self.config.first_full_attention_group
+        size = self.group_block_sizes[group]
+        boundary = self.fa_tail_boundary(request)
+        if boundary == 0 or boundary > request.num_computed_tokens or boundary % size == 0:
+            return None
+        index = boundary // size
+        if index >= len(block_ids[group]):
+            return None
+        block = self.gpu_pool.blocks[block_ids[group][index]]
+        if block.is_null or block.block_id in self.in_flight_store_gpu_blocks:
+            return None
+        # vLLM checks the boundary's hash index against the request's hashes here: the
+        # boundary is never past them (fa_tail_boundary), so the check is left out.
+        key = fine_key(
+            request.digests, boundary // self.hash_block_size - 1, group, self.hash_block_size
+        )
+        if block.block_hash != key and key not in self.gpu_pool.secondary.get(block.block_id, ()):
+            return None
+        if self.cpu_pool.get_one_block(key) is not None:
+            return None
+        return block.block_id
+
+    def _observe_tail(
+        self, request: Request, block_ids: tuple[list[int], ...], selected: list[int]
+    ) -> TailRecord | None:
+        """What the TAIL invariant checks a final flush's choice against (before the choice),
+        when the first full-attention group's prompt tail falls inside a block of the table."""
+        if not self.config.cpu_fine_grained_hits:
+            return None
+        group = self.config.first_full_attention_group
+        size, hbs = self.group_block_sizes[group], self.hash_block_size
+        # Where the GPU side registered the tail, whatever a variant looks for.
+        boundary = resend_boundary(request, hbs)
+        index = boundary // size
+        if not 0 < boundary <= request.num_computed_tokens or boundary % size == 0:
+            return None
+        if index >= len(block_ids[group]):
+            return None
+        block_id = block_ids[group][index]
+        key = fine_key(request.digests, boundary // hbs - 1, group, hbs)
+        return TailRecord(
+            request.request_id,
+            boundary,
+            block_id,
+            key in self.gpu_pool.keys_of(block_id),
+            block_id in self.in_flight_store_gpu_blocks,
+            key in self.cpu_pool.cached,
+            block_id in selected,
+            len(selected) < self.cpu_pool.num_free_blocks,
+            taken=False,
+        )
 
     def request_finished(self, request: Request) -> None:
         req_id = request.request_id
@@ -1129,5 +1256,6 @@ class OffloadScheduler:
         self.null_log.clear()
         self.stored_log.clear()
         self.boundary_log.clear()
+        self.tail_log.clear()
         self.cpu_pool.allocation_log.clear()
         self.gpu_pool.allocation_log.clear()

@@ -317,6 +317,16 @@ class ChunkUnalignedHitsScheduler(OffloadScheduler):
         return True
 
 
+class TailAtPromptEndScheduler(OffloadScheduler):
+    """vLLM 0.30.0 to 0.33.0 (S28; 0.34.0 takes the last boundary a resend can hit): the
+    final flush looks for the prompt tail at the prompt's last hash boundary. From 0.33.0
+    the GPU side registers the tail one boundary earlier when the prompt ends on a hash
+    boundary, so the flush finds no key there and leaves that tail behind."""
+
+    def fa_tail_boundary(self, request: Request) -> int:
+        return len(request.prompt) // self.hash_block_size * self.hash_block_size
+
+
 class PreemptKeepsTableScheduler(OffloadScheduler):
     """vLLM <= 0.31.0 (S20; 0.32.0 starts over on ``preempted_req_ids``): the store state of a
     preempted request is reset only for a resumption flagged as resumed, which vLLM's newer
@@ -389,7 +399,12 @@ class InclusiveCpuScheduler(ResetReleasesHitsScheduler):
         num_local = self.pending_local_hits.pop(request.request_id, 0)
         if num_local:
             prefix, _ = find_longest_cache_hit(
-                self.cpu_pool, request.digests, 0, num_local, self.config
+                self.cpu_pool,
+                request.digests,
+                0,
+                num_local,
+                self.config,
+                fine=self.config.cpu_fine_grained_hits,
             )
             blocks = [b for group in prefix for b in group if not b.is_null]
             self.cpu_pool.touch(blocks)
@@ -451,6 +466,7 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     "window-stale-ids": WindowStaleIdsScheduler,
     "preempt-keeps-table": PreemptKeepsTableScheduler,
     "chunk-unaligned-hits": ChunkUnalignedHitsScheduler,
+    "tail-at-prompt-end": TailAtPromptEndScheduler,
     "dcp-per-rank-blocks": DcpPerRankBlocksScheduler,
     "lazy-cursor": LazyCursorScheduler,
     "lazy-tail": LazyTailScheduler,

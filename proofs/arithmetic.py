@@ -132,6 +132,22 @@ def _mamba_chunk_ends_on_a_state(solver: z3.Solver) -> None:
     )
 
 
+def _tail_block_in_the_flushed_table(solver: z3.Solver) -> None:
+    # The final flush's prompt tail: a boundary ``b`` (a multiple of the hash block H) with
+    # 0 < b <= C that is no block boundary sits in block b / B of the table clipped to the
+    # computed tokens, which holds ceil(C / B) blocks (vLLM's `block_idx >= len(...)` guard
+    # never fires under its scheduler: docs/upstream.md).
+    b = A
+    solver.add(B > 0, h > 0, b == q * h, b > 0, b <= C, b % B != 0, z3.Not(b / B < ceil_div(C, B)))
+
+
+def _tail_hash_within_the_hashes(solver: z3.Solver) -> None:
+    # The tail's boundary min((P - 1) / H, k) * H, with k hashed blocks, is at most k hash
+    # blocks: its hash index b / H - 1 is below k (vLLM's `hash_idx >= len(...)` is dead).
+    b = z3.If((T - 1) / h < n, (T - 1) / h, n) * h
+    solver.add(h > 0, T >= 1, n >= 0, b > 0, z3.Not(b / h - 1 < n))
+
+
 OBLIGATIONS = [
     Obligation(
         "flush range within the allocated blocks",
@@ -173,6 +189,16 @@ OBLIGATIONS = [
         "a Mamba table keeps its running state",
         "(C - 1) / B == ceil(C / B) - 1 for C >= 1: the freed positions end at the state's",
         _mamba_keeps_its_running_state,
+    ),
+    Obligation(
+        "the prompt tail's block is in the table a finish hands over",
+        "0 < b <= C, b not a multiple of B: b / B < ceil(C / B)",
+        _tail_block_in_the_flushed_table,
+    ),
+    Obligation(
+        "the prompt tail's hash is among the request's hashes",
+        "b = min((T - 1) / H, k) * H > 0: b / H - 1 < k",
+        _tail_hash_within_the_hashes,
     ),
     Obligation(
         "a Mamba prefill chunk ends on a state boundary",

@@ -468,4 +468,58 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("lookup", [5, 6, 0, 1, 2]),
         ],
     ),
+    # Fine-grained hits (Mamba blocks of 8 hashed in blocks of 4, beside full attention of 8).
+    # A prompt of 5 tokens registers its tail at 4 inside its first full-attention block; it
+    # finishes in the step that computes it, the block not full: its final flush stores the
+    # tail's block, which the CPU then holds under the key of 4 tokens (vLLM 0.30.0 on, S13).
+    "fine-grained-tail-at-finish": (
+        cfg(8, 2, (8, 8), 4, mamba=(False, True)),
+        [
+            ("add", "r0", [0, 1, 2, 3], 2),
+            ("add", "r1", [0, 1, 2, 3, 0], 1),
+            ("step", 8),
+            ("drain",),
+            ("stats",),
+            ("step", 8),
+            ("drain",),
+        ],
+    ),
+    # The same layout. r1's prompt of 8 tokens ends on a hash boundary: its tail is the
+    # boundary before its last token, 4, registered on the block it shares with r0's longer
+    # prompt as a secondary key. That block is on the CPU already, without the key of 4: r1's
+    # final flush stores the block again for its tail. vLLM 0.33.0 looks for the tail at 8, a
+    # block boundary, and stores nothing (S28, found by the machine).
+    "fine-grained-tail-of-shared-block": (
+        cfg(8, 3, (8, 8), 4, mamba=(False, True)),
+        [
+            ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0, 1, 2, 3, 4], 1),
+            ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0], 1),
+            ("step", 8),
+            ("drain",),
+            ("stats",),
+            ("step", 8),
+            ("drain",),
+            ("stats",),
+            ("step", 8),
+            ("drain",),
+        ],
+    ),
+    # The same layout. r1's tail at 4 is inside its first block, which decoding fills: the
+    # final flush's scan selects the block, and the tail lookup finds the same block, which is
+    # stored once (vLLM 0.34.0's guard against two CPU blocks for one GPU block).
+    "fine-grained-tail-filled-by-decode": (
+        cfg(8, 12, (8, 8), 4, mamba=(False, True)),
+        [
+            ("add", "r0", [0, 1, 2, 3], 2),
+            ("add", "r1", [0, 1, 2, 3, 0, 0], 3),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+            ("step", 8),
+            ("drain",),
+        ],
+    ),
 }

@@ -59,8 +59,17 @@ def test_scheduler_block_size_is_the_lcm_of_group_sizes() -> None:
             "Mamba group 1 has a sliding window",
         ),
         (
-            {"group_block_sizes": (8, 16), "hash_block_size": 8, "mamba": (False, True)},
-            "fine-grained hits are not modelled",
+            {"group_block_sizes": (16, 8), "hash_block_size": 4, "mamba": (False, True)},
+            "nor the scheduler block size 16 .fine-grained hits inside a scheduler block",
+        ),
+        (
+            {
+                "group_block_sizes": (8, 8, 4),
+                "hash_block_size": 4,
+                "mamba": (False, True, False),
+                "sliding_windows": (None, None, 3),
+            },
+            "group 2 is a sliding-window or chunked local group beside a Mamba group",
         ),
         (
             {

@@ -27,6 +27,7 @@ from kvoffload.model.offload import (
     SelectionRecord,
     StatsRecord,
     StoredRecord,
+    TailRecord,
     Transfer,
 )
 from kvoffload.model.types import STORED, KVEvent
@@ -183,6 +184,14 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
         [
             BoundaryRecord("c", 3, Outcome.STORED, True, False, ALIEN, False, True),
             BoundaryRecord("c", 4, Outcome.DROPPED_REQUEST_GONE, True, False, ALIEN, False, False),
+        ]
+    ),
+    # a final flush that took a prompt tail already on the CPU, and one that left a due
+    # tail behind
+    "TAIL": lambda m: m.engine.connector.tail_log.extend(
+        [
+            TailRecord("c", 4, 3, True, False, True, False, True, True),
+            TailRecord("c", 4, 3, True, False, False, False, True, False),
         ]
     ),
     # c, running, reserved for as a parked load

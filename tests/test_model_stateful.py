@@ -19,7 +19,8 @@ from kvoffload.model import OffloadConfig, OffloadModel
 # hybrid: a sliding-window group beside a full-attention one, its window's run shorter than,
 # equal to or longer than a scheduler block; a chunked local group beside full attention;
 # all three; a Mamba group beside full attention (and beside a sliding window), its states
-# at every scheduler block or every other.
+# at every scheduler block or every other; and Mamba groups larger than the hash block
+# (fine-grained hits), beside full attention of the same blocks and of smaller ones.
 Layout = tuple[
     tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...], tuple[bool, ...]
 ]
@@ -37,6 +38,8 @@ LAYOUTS: list[Layout] = [
     ((4, 4), 4, (), (), (False, True)),
     ((8, 4), 4, (), (), (False, True)),
     ((4, 4, 4), 4, (None, 5, None), (), (False, False, True)),
+    ((8, 8), 4, (), (), (False, True)),
+    ((4, 8, 16), 4, (), (), (False, False, True)),
 ]
 
 # Three shared stems, so prefixes repeat across requests.

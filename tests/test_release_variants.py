@@ -112,14 +112,15 @@ def test_variants_compose() -> None:
         ("reset-gpu-only", "prefix-reset-keeps-cpu", "RESET"),
         ("chunk-unaligned-hits", "chunk-hit-after-unaligned-prefix", "LOAD-TARGET"),
         ("dcp-per-rank-blocks", "dcp-scan-reaches-confirmed-only", "SKIP"),
+        ("tail-at-prompt-end", "fine-grained-tail-of-shared-block", "TAIL"),
     ],
 )
 def test_the_later_bugs_break_the_invariant_their_variant_names(
     variant: str, scenario: str, invariant: str
 ) -> None:
-    """The variants of S12, S27, S26, S14, S24, S6, the live window scan bug and #57727, with every
-    invariant checked after every call: the fixed model runs the scenario clean, the variant
-    breaks the invariant its docstring names."""
+    """The variants of S12, S27, S26, S14, S24, S6, S28, the live window scan bug and #57727,
+    with every invariant checked after every call: the fixed model runs the scenario clean,
+    the variant breaks the invariant its docstring names."""
     config, program = SCENARIOS[scenario]
     fixed = OffloadModel(config, check=True)
     for call in program:

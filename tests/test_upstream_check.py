@@ -158,6 +158,14 @@ LAZY = SCENARIOS["lazy-scan-after-reset"][1]
 MAMBA_HANDOFFS = SCENARIOS["mamba-state-handoff-and-load"][1]
 MAMBA_NO_STATS = [call for call in MAMBA_HANDOFFS if call[0] != "stats"]
 MAMBA = "OffloadConfig(12, 12, (4, 4), 4, 1, mamba=(False, True), kv_events=True)"
+# Fine-grained hits (0.33.0 on): a prompt tail stored at finish; a tail on a shared block
+# stored again, which 0.33.0 looks for one hash boundary too far (S28); a tail block a
+# decode filled, stored once.
+FINE = "OffloadConfig(8, 12, (8, 8), 4, 1, mamba=(False, True))"
+TAIL_AT_FINISH = SCENARIOS["fine-grained-tail-at-finish"][1]
+TAIL_SHARED = SCENARIOS["fine-grained-tail-of-shared-block"][1]
+TAIL_FILLED = SCENARIOS["fine-grained-tail-filled-by-decode"][1]
+S33 = "reset-releases-hits+lazy-0.33+window-stale-ids+reset-gpu-only"
 SMALL = "OffloadConfig(4, 2, (4,), 4, 1)"
 SMALL_LAZY = "OffloadConfig(4, 2, (4,), 4, 1, lazy=True)"
 LARGE = "OffloadConfig(4, 12, (4,), 4, 1)"
@@ -195,6 +203,14 @@ CASES: dict[str, list[Case]] = {
         (LARGE, SKIP_READING, "inclusive-cpu", None),
         (SMALL_LAZY, LAZY, "inclusive-cpu", None),
         (MAMBA, MAMBA_HANDOFFS, "inclusive-cpu+reset-gpu-only", None),
+        (FINE, TAIL_AT_FINISH, "inclusive-cpu", None),
+        (FINE, TAIL_SHARED, "inclusive-cpu", None),
+        (FINE, TAIL_FILLED, "inclusive-cpu", None),
+    ],
+    "0.33.0": [
+        (FINE, TAIL_AT_FINISH, S33 + "+tail-at-prompt-end", None),
+        (FINE, TAIL_SHARED, S33 + "+tail-at-prompt-end", None),
+        (FINE, TAIL_SHARED, S33, "snapshots differ in ['gpu', 'cpu', 'pending_flushes'"),
     ],
 }
 

@@ -177,7 +177,7 @@ def _scenario(name: str) -> tuple[tuple[Any, ...], list[Any]]:
     return (
         *fields,
         *(config.hash_block_size, config.world_size, config.lazy, config.sliding_windows),
-        *(config.kv_events, config.attention_chunks, config.dcp_world_size),
+        *(config.kv_events, config.attention_chunks, config.dcp_world_size, config.mamba),
     ), program
 
 
@@ -246,6 +246,9 @@ COUNTEREXAMPLES: dict[str, tuple[tuple[Any, ...], list[Any]]] = {
     "S24": _scenario("chunk-hit-after-unaligned-prefix"),
     # with DCP over two ranks, 0.24.0's scan reaches a block not yet confirmed
     "S6": _scenario("dcp-scan-reaches-confirmed-only"),
+    # a prompt of 8 tokens, ending on a hash boundary, its tail (4) on a block it shares
+    # with a longer prompt: 0.33.0's final flush looks for the tail at 8 and stores nothing
+    "S28": _scenario("fine-grained-tail-of-shared-block"),
     # a GPU prefix hit refreshes its CPU copy in 0.34.0
     "S25": (
         LARGE,

@@ -65,6 +65,9 @@ _LIVE = "window-stale-ids+reset-gpu-only"
 _S20 = "preempt-keeps-table"
 # Up to 0.32.0 (S24): a CPU hit after a local prefix that ends inside an attention chunk.
 _S24 = "chunk-unaligned-hits"
+# 0.33.0 (S28; fine-grained layouts are drawn from 0.33.0 on): the final flush looks for the
+# prompt tail at the prompt's end.
+_S28 = "tail-at-prompt-end"
 BUGS: list[HistoricalBug] = [
     HistoricalBug(
         "S1",
@@ -296,7 +299,7 @@ BUGS: list[HistoricalBug] = [
         "0.32.0",
         "0.33.0",
         f"reset-releases-hits+{_LAZY}+{_LIVE}",
-        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}+{_S28}",
         "model returned StepResult",
         "0.32.0's lazy mode (S26, S27) modelled",
     ),
@@ -306,10 +309,10 @@ BUGS: list[HistoricalBug] = [
         "CPU copy of a GPU-hot prefix never refreshed in the CPU LRU",
         "0.33.0",
         "0.34.0",
-        f"inclusive-cpu+{_LAZY}+{_LIVE}",
+        f"inclusive-cpu+{_LAZY}+{_LIVE}+{_S28}",
         f"inclusive-cpu+{_LIVE}",
         "cpu: free queue",
-        "0.33.0's lazy mode (S26, S27) modelled",
+        "0.33.0's lazy mode (S26, S27) and final flush's prompt tail (S28) modelled",
     ),
     HistoricalBug(
         "S26",
@@ -317,10 +320,11 @@ BUGS: list[HistoricalBug] = [
         "lazy mode returns offloaded blocks to the MRU end",
         "0.33.0",
         "0.34.0",
-        f"reset-releases-hits+lazy-cursor+{_LIVE}",
+        f"reset-releases-hits+lazy-cursor+{_LIVE}+{_S28}",
         f"inclusive-cpu+{_LIVE}",
         "gpu: free queue",
-        "0.33.0's scan cursor (S27) modelled, and its eager mode (without S25's refresh)",
+        "0.33.0's scan cursor (S27) modelled, and its eager mode (without S25's refresh, "
+        "with S28's prompt tail)",
     ),
     HistoricalBug(
         "S27",
@@ -328,19 +332,23 @@ BUGS: list[HistoricalBug] = [
         "lazy mode's stale scan cursor: blocks behind it never stored",
         "0.33.0",
         "0.34.0",
-        f"reset-releases-hits+lazy-tail+{_LIVE}",
+        f"reset-releases-hits+lazy-tail+{_LIVE}+{_S28}",
         f"inclusive-cpu+{_LIVE}",
         "model returned StepResult",
         "0.33.0's return of lazy stores to the tail (S26) modelled, and its eager mode "
-        "(without S25's refresh)",
+        "(without S25's refresh, with S28's prompt tail)",
     ),
     HistoricalBug(
         "S28",
         "PR ?",
-        "FA partial tail covers the last prompt token",
+        "the final flush looks for the FA prompt tail at the prompt's end, not where the GPU "
+        "keys it (before the last token): a prompt ending on a hash boundary leaves it behind",
         "0.33.0",
         "0.34.0",
-        out_of_reach="fine-grained partial hits and speculative decoding",
+        f"reset-releases-hits+{_LAZY}+{_LIVE}",
+        f"inclusive-cpu+{_LIVE}",
+        "pending_flushes",
+        "0.33.0's lazy mode (S26, S27) modelled, and its eager mode (without S25's refresh)",
     ),
     HistoricalBug(
         "S29",

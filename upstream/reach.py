@@ -363,6 +363,28 @@ UNREACHABLE = (
     ),
     Unreachable(
         _MANAGER,
+        "_find_fa_partial_tail_source",
+        "if block_idx >= len(fa_block_ids):",
+        1,
+        1,
+        # request_finished_all_groups gets the blocks of the computed tokens
+        # (get_block_ids_for_computed_tokens: cdiv(num_computed_tokens, block_size) of them),
+        # and the boundary, at most the computed tokens and inside a block, is among them.
+        SCHEDULER,
+        "a finishing request's table that ends before its prompt tail's block",
+    ),
+    Unreachable(
+        _MANAGER,
+        "_find_fa_partial_tail_source",
+        "if hash_idx >= len(request.block_hashes):",
+        1,
+        1,
+        DEAD,
+        "the prompt tail's boundary is at most the request's hashed tokens, so its hash "
+        "index is within them",
+    ),
+    Unreachable(
+        _MANAGER,
         "_prepare_eager_store_specs",
         "if not block_ids_by_group:",
         1,

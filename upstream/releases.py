@@ -112,10 +112,11 @@ RELEASES = {
         ),
         *_conforming(
             ["0.33.0"],
-            "reset-releases-hits+lazy-0.33+window-stale-ids+reset-gpu-only",
+            "reset-releases-hits+lazy-0.33+window-stale-ids+reset-gpu-only+tail-at-prompt-end",
             "no CPU hit after a local prefix inside an attention chunk (S24)",
             "the fixed model with 0.32's reset of lookup pins, 0.33's lazy mode, the "
-            "window scan's reused blocks and the prefix-cache reset of #57727",
+            "window scan's reused blocks, the prefix-cache reset of #57727 and the final "
+            "flush's prompt tail at the prompt's end (S28)",
         ),
         Release(
             "0.34.0",

@@ -98,6 +98,10 @@ def supported(config: OffloadConfig) -> str | None:
         # Up to 0.29.0 the offload scheduler scanned an align-mode Mamba table positionally
         # and took no boundary-state hand-off (S13, PR #54736): not modelled.
         return "Mamba groups are modelled from vLLM 0.30.0 on"
+    if config.fine_grained_hits and (0, 0, 0) < version_numbers() < (0, 33, 0):
+        # Before 0.33.0 the coordinator turned fine-grained hits on by another rule, and
+        # the GPU side registered the prompt tail at the prompt's end: not modelled.
+        return "fine-grained hits are modelled from vLLM 0.33.0 on"
     if config.lazy and (0, 0, 0) < version_numbers() < (0, 30, 0):
         # Up to 0.29.0 the lazy scan also stamped the CPU blocks it reserved (S10's bug in
         # lazy mode), and before it differed again: not modelled.
