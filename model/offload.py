@@ -156,6 +156,7 @@ class SelectionRecord:
     num_free: int
     picks: tuple[PickRecord, ...]
     # the tokens whole scheduler blocks of the request's computed tokens cover at selection
+    # (with fine-grained CPU hits, the computed tokens themselves)
     confirmed: int | None = None
 
 
@@ -772,7 +773,9 @@ class OffloadScheduler:
                 final_flush,
                 num_free,
                 tuple(observed),
-                align_down(request.num_computed_tokens, self.block_size),
+                request.num_computed_tokens
+                if self.config.cpu_fine_grained_hits
+                else align_down(request.num_computed_tokens, self.block_size),
             )
         )
         meta = None

@@ -53,9 +53,9 @@ from kvoffload.testing.lockstep import Call, as_outcome, compare, outcome
 # the chunked group's. The last two have a Mamba group (align mode) beside full attention:
 # its states at every scheduler block, or, beside full-attention blocks of 8, at every other
 # of its blocks (a state that ends off the scheduler's alignment is no hit); in the last, Mamba
-# blocks of 8 hashed in blocks of 4 turn fine-grained hits on: full attention's blocks of 8
-# register the prompt's tail inside them, and a finishing request's final flush stores it
-# (vLLM 0.33.0 on). The model's own
+# blocks of 16 hashed in blocks of 4 turn fine-grained hits on: full attention's blocks of 16
+# register the prompt's tail inside them (at 4, 8 or 12 tokens: most prompts have one), and a
+# finishing request's final flush stores it (vLLM 0.33.0 on). The model's own
 # test (tests/test_model_stateful.py) also draws longer runs, three groups and longer chunks.
 Layout = tuple[
     tuple[int, ...], int, tuple[int | None, ...], tuple[int | None, ...], tuple[bool, ...]
@@ -72,7 +72,7 @@ LAYOUTS: list[Layout] = [
     ((2, 4), 2, (), (None, 8), ()),
     ((4, 4), 4, (), (), (False, True)),
     ((8, 4), 4, (), (), (False, True)),
-    ((8, 8), 4, (), (), (False, True)),
+    ((16, 16), 4, (), (), (False, True)),
 ]
 
 
