@@ -85,9 +85,10 @@ def test_cpu_loads_are_common(loads: bool) -> None:
 
 
 def test_decode_context_parallelism_is_common() -> None:
-    """Two DCP ranks in one program in nine or more of these 300 (47 of them): drawn one
-    program in three on the full-attention layouts, an odd world made even for them (9 where
-    an odd world drops DCP instead; docs/conformance.md)."""
+    """Two DCP ranks in one program in ten or more of these 300 (32 of them since the
+    fine-grained layout, 47 before): drawn one program in three on the full-attention
+    layouts, an odd world made even for them (9 where an odd world drops DCP instead;
+    docs/conformance.md)."""
     found: list[int] = []
 
     class Counting(machine_for("impl", loads=False)):  # type: ignore[misc]
@@ -96,7 +97,7 @@ def test_decode_context_parallelism_is_common() -> None:
             super().teardown()
 
     run_state_machine_as_test(Counting, settings=settings(profiles.get("ci"), max_examples=300))
-    assert len(found) >= 33, len(found)
+    assert len(found) >= 30, len(found)
 
 
 def test_resets_with_a_final_flush_queued_are_common() -> None:
@@ -124,9 +125,11 @@ def test_resets_with_a_final_flush_queued_are_common() -> None:
 
 
 def test_mamba_states_are_handed_off_and_loaded() -> None:
-    """A Mamba layout in 40 or more of these 300 programs of the machine with ``evict`` (65:
-    two of eleven layouts): in 20 or more a state is handed off and stored (34; never in lazy
-    mode), in 9 or more a CPU hit loads one back (18; docs/conformance.md)."""
+    """A Mamba layout in 40 or more of these 300 programs of the machine with ``evict`` (70:
+    three of twelve layouts; 65 of two in eleven before the fine-grained layout, whose states
+    of 16 tokens need longer prompts): in 20 or more a state is handed off and stored (40;
+    never in lazy mode), in 6 or more a CPU hit loads one back (8; 18 before;
+    docs/conformance.md)."""
     drawn: list[int] = []
     stored: list[int] = []
     loaded: list[int] = []
@@ -153,7 +156,7 @@ def test_mamba_states_are_handed_off_and_loaded() -> None:
             super().teardown()
 
     run_state_machine_as_test(Counting, settings=settings(profiles.get("ci"), max_examples=300))
-    assert len(drawn) >= 40 and len(stored) >= 20 and len(loaded) >= 9, (
+    assert len(drawn) >= 40 and len(stored) >= 20 and len(loaded) >= 6, (
         len(drawn),
         len(stored),
         len(loaded),
