@@ -584,10 +584,11 @@ class Connector:
         """The skip rules, over a window of a block table: the blocks that are not null,
         are keyed, are not in flight, and whose key is not in the CPU index."""
         key, in_flight, index = self.gpu.key, self.in_flight, self.cpu.index
+        # (the null block is block 0: ``b`` is false for it alone; each key read once)
         return [
             b
             for b in window
-            if b != NULL and key[b] is not None and b not in in_flight and key[b] not in index
+            if b and (k := key[b]) is not None and k not in index and b not in in_flight
         ]
 
     def cacheable(self, num_computed: int) -> int:

@@ -9,6 +9,7 @@ same KV, as with a real model, and any misplaced or stale byte shows.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -36,10 +37,17 @@ def layer_bytes(
     ``uint8[num_layers, len(seeds) * bytes_per_token]``; row ``l`` is
     ``token_bytes(seeds, group, l, bytes_per_token)``."""
     s = torch.tensor(list(seeds), dtype=torch.int64).view(1, -1, 1)
+    mixed = s * 0x9E3779B1 + _offset_weights(group, num_layers, bytes_per_token)
+    return ((mixed ^ (mixed >> 29)) & 0xFF).to(torch.uint8).reshape(num_layers, -1)
+
+
+@functools.lru_cache(maxsize=256)
+def _offset_weights(group: int, num_layers: int, bytes_per_token: int) -> torch.Tensor:
+    """The seed-independent term of every byte, ``int64[num_layers, 1, bytes_per_token]``:
+    built once per group and layout, since every write and every check asks for it."""
     offsets = torch.arange(1, bytes_per_token + 1, dtype=torch.int64).view(1, 1, -1)
     layers = torch.arange(num_layers, dtype=torch.int64).view(-1, 1, 1)
-    mixed = s * 0x9E3779B1 + offsets * (0x85EBCA77 + 131 * group + 7919 * layers)
-    return ((mixed ^ (mixed >> 29)) & 0xFF).to(torch.uint8).reshape(num_layers, -1)
+    return offsets * (0x85EBCA77 + 131 * group + 7919 * layers)
 
 
 def token_bytes(seeds: Sequence[int], group: int, layer: int, bytes_per_token: int) -> torch.Tensor:

@@ -18,15 +18,17 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 # Digest of the empty prefix; every chain starts here.
 ROOT_DIGEST = "0" * 16
 
 
-@dataclass(frozen=True, order=True)
-class BlockKey:
-    """A prefix-cache key: ``group``'s key for the prefix of ``num_tokens`` tokens."""
+class BlockKey(NamedTuple):
+    """A prefix-cache key: ``group``'s key for the prefix of ``num_tokens`` tokens.
+
+    A named tuple, so that hashing, comparing and ordering keys (every pool lookup, every
+    sorted view) run as the tuple's own C code (issue 15: the lockstep's cost per call)."""
 
     group: int
     num_tokens: int

@@ -3,17 +3,21 @@ implementation: two implementations conform when their snapshots are equal after
 step. Everything is an immutable value in a canonical order (sorted where the source
 order carries no meaning, kept where it does: free-queue order, the block order under one
 key, transfer order).
+
+The parts are named tuples, so that building a snapshot after every call and comparing two
+run at the speed of tuples (issue 15); only the snapshot itself is a dataclass, whose
+fields a difference is reported by.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvoffload.model.keys import BlockKey
 
 
-@dataclass(frozen=True)
-class BlockView:
+class BlockView(NamedTuple):
     block_id: int
     ref_cnt: int
     primary: BlockKey | None
@@ -21,8 +25,7 @@ class BlockView:
     secondary: tuple[BlockKey, ...]
 
 
-@dataclass(frozen=True)
-class PoolView:
+class PoolView(NamedTuple):
     """A block pool: every block (null block 0 included), the free queue from head to tail,
     and the key map with the blocks under each key in insertion order."""
 
@@ -31,8 +34,7 @@ class PoolView:
     cached: tuple[tuple[BlockKey, tuple[int, ...]], ...]
 
 
-@dataclass(frozen=True)
-class RequestView:
+class RequestView(NamedTuple):
     request_id: str
     status: str
     num_tokens: int
@@ -41,8 +43,7 @@ class RequestView:
     block_ids: tuple[tuple[int, ...], ...]
 
 
-@dataclass(frozen=True)
-class TransferView:
+class TransferView(NamedTuple):
     """A store or load: the event (None while a load is not sent yet), GPU and CPU blocks."""
 
     event: int | None
@@ -50,15 +51,13 @@ class TransferView:
     cpu_block_ids: tuple[int, ...]
 
 
-@dataclass(frozen=True)
-class LoadView:
+class LoadView(NamedTuple):
     request_id: str
     transfer: TransferView
     finished: bool
 
 
-@dataclass(frozen=True)
-class StoreTrackView:
+class StoreTrackView(NamedTuple):
     """Eager tracking of one request: per-group cursors, its store events, finished flag."""
 
     request_id: str
