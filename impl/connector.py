@@ -736,9 +736,8 @@ class Connector:
 
     def tail_boundary(self, request: ImplRequest) -> int:
         """The last hash boundary of the prompt a resend can hit (its last token is
-        recomputed), at most the request's hashed tokens."""
-        hbs = self.hbs
-        return min((request.num_prompt - 1) // hbs, len(request.digests)) * hbs
+        recomputed), at most the request's hashed tokens (a fault moves it)."""
+        return request.tail_boundary()
 
     def prompt_tail(self, request: ImplRequest, tables: tuple[list[int], ...]) -> int | None:
         """With fine-grained CPU hits, the GPU block of the first full-attention group that

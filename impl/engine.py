@@ -94,6 +94,12 @@ class ImplRequest:
         """The key of the prefix of hash blocks ``0..j`` in ``group``."""
         return make_key(group, (j + 1) * self.hbs, self.digests[j])
 
+    def tail_boundary(self) -> int:
+        """With fine-grained CPU hits (vLLM 0.33.0 on), the last hash boundary of the prompt
+        a resend can hit: its last token is recomputed, and the boundary is at most the
+        tokens hashed so far."""
+        return min((self.num_prompt - 1) // self.hbs, len(self.digests)) * self.hbs
+
 
 class ImplEngine:
     def __init__(self, config: OffloadConfig, connector_cls: type[Connector] = Connector) -> None:
@@ -315,10 +321,10 @@ class ImplEngine:
     def cache(self, req: ImplRequest, num_tokens: int) -> None:
         hbs = self.config.hash_block_size
         rid = req.request_id
-        boundary = req.num_prompt // hbs * hbs
-        if self.config.fine_grained_hits:
-            # vLLM 0.33.0 on (fine-grained hits): the last boundary a resend can hit.
-            boundary = min((req.num_prompt - 1) // hbs, len(req.digests)) * hbs
+        # with fine-grained hits (vLLM 0.33.0 on), the last boundary a resend can hit
+        boundary = (
+            req.tail_boundary() if self.config.fine_grained_hits else req.num_prompt // hbs * hbs
+        )
         for g, size in enumerate(self.sizes):
             ids = self.tables[rid][g]
             done = self.cached[rid][g]
