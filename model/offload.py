@@ -1074,6 +1074,26 @@ class OffloadScheduler:
         (vLLM 0.34.0; S28)."""
         return resend_boundary(request, self.hash_block_size)
 
+    def _tail_block(
+        self, request: Request, block_ids: tuple[list[int], ...], boundary: int
+    ) -> tuple[int, BlockKey] | None:
+        """The block of the first full-attention group's table that holds the prompt tail
+        ending at ``boundary`` inside it, with the tail's key; None without fine-grained CPU
+        hits, or when the boundary is 0, past the computed tokens, a block's end or past
+        the table."""
+        if not self.config.cpu_fine_grained_hits:
+            return None
+        group = self.config.first_full_attention_group
+        size, hbs = self.group_block_sizes[group], self.hash_block_size
+        if not 0 < boundary <= request.num_computed_tokens or boundary % size == 0:
+            return None
+        index = boundary // size
+        if index >= len(block_ids[group]):
+            return None
+        # vLLM checks the boundary's hash index against the request's hashes here: neither
+        # boundary the callers pass is ever past them, so the check is left out.
+        return block_ids[group][index], fine_key(request.digests, boundary // hbs - 1, group, hbs)
+
     def _find_fa_partial_tail_source(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> int | None:
@@ -1081,48 +1101,30 @@ class OffloadScheduler:
         request's final flush must store it (vLLM 0.30.0 on, S13): with fine-grained CPU
         hits, a tail inside a block of the computed tokens, registered on the block (as its
         primary or a secondary key), neither in flight nor on the CPU yet."""
-        if not self.config.cpu_fine_grained_hits:
+        found = self._tail_block(request, block_ids, self.fa_tail_boundary(request))
+        if found is None:
             return None
-        group = self.config.first_full_attention_group
-        size = self.group_block_sizes[group]
-        boundary = self.fa_tail_boundary(request)
-        if boundary == 0 or boundary > request.num_computed_tokens or boundary % size == 0:
+        block_id, key = found
+        block = self.gpu_pool.blocks[block_id]
+        if block.is_null or block_id in self.in_flight_store_gpu_blocks:
             return None
-        index = boundary // size
-        if index >= len(block_ids[group]):
-            return None
-        block = self.gpu_pool.blocks[block_ids[group][index]]
-        if block.is_null or block.block_id in self.in_flight_store_gpu_blocks:
-            return None
-        # vLLM checks the boundary's hash index against the request's hashes here: the
-        # boundary is never past them (fa_tail_boundary), so the check is left out.
-        key = fine_key(
-            request.digests, boundary // self.hash_block_size - 1, group, self.hash_block_size
-        )
-        if block.block_hash != key and key not in self.gpu_pool.secondary.get(block.block_id, ()):
+        if block.block_hash != key and key not in self.gpu_pool.secondary.get(block_id, ()):
             return None
         if self.cpu_pool.get_one_block(key) is not None:
             return None
-        return block.block_id
+        return block_id
 
     def _observe_tail(
         self, request: Request, block_ids: tuple[list[int], ...], selected: list[int]
     ) -> TailRecord | None:
         """What the TAIL invariant checks a final flush's choice against (before the choice),
         when the first full-attention group's prompt tail falls inside a block of the table."""
-        if not self.config.cpu_fine_grained_hits:
-            return None
-        group = self.config.first_full_attention_group
-        size, hbs = self.group_block_sizes[group], self.hash_block_size
         # Where the GPU side registered the tail, whatever a variant looks for.
-        boundary = resend_boundary(request, hbs)
-        index = boundary // size
-        if not 0 < boundary <= request.num_computed_tokens or boundary % size == 0:
+        boundary = resend_boundary(request, self.hash_block_size)
+        found = self._tail_block(request, block_ids, boundary)
+        if found is None:
             return None
-        if index >= len(block_ids[group]):
-            return None
-        block_id = block_ids[group][index]
-        key = fine_key(request.digests, boundary // hbs - 1, group, hbs)
+        block_id, key = found
         return TailRecord(
             request.request_id,
             boundary,
