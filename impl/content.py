@@ -9,6 +9,7 @@ same KV, as with a real model, and any misplaced or stale byte shows.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from collections.abc import Sequence
 
@@ -65,3 +66,12 @@ def checksums(blocks: torch.Tensor) -> list[int]:
 def checksum(block: torch.Tensor) -> int:
     """A position-weighted checksum of one block's bytes."""
     return checksums(block.reshape(1, -1))[0]
+
+
+def tensor_bytes(tensor: torch.Tensor) -> bytes:
+    """The bytes of ``tensor`` in memory order (row-major), copied to the host first when it
+    lives on a device: one copy of the raw memory, not a conversion per element."""
+    host = tensor.cpu().contiguous()
+    if host.numel() == 0:
+        return b""
+    return ctypes.string_at(host.data_ptr(), host.numel() * host.element_size())

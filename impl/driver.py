@@ -11,15 +11,15 @@ thread is started), in the copy engine's order: what the conformance machine dri
 from __future__ import annotations
 
 import weakref
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 
 import torch
 
 from kvoffload.impl.connector import Connector
-from kvoffload.impl.content import layer_bytes, token_seeds
+from kvoffload.impl.content import layer_bytes, tensor_bytes, token_seeds
 from kvoffload.impl.engine import ImplEngine, ImplRequest, Status
 from kvoffload.impl.faults import FAULTS
-from kvoffload.impl.pool import block_key
+from kvoffload.impl.pool import Pool, block_key
 from kvoffload.impl.snapshot import Views
 from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import KVLayout, Worker
@@ -95,7 +95,7 @@ class OffloadImpl:
         # The data check's memory: seeds behind each key seen, expected bytes per layer.
         self._fully_indexed: set[str] = set()
         self._key_seeds: dict[str, list[int]] = {}
-        self._expected_bytes: dict[str, torch.Tensor] = {}
+        self._expected_bytes: dict[str, bytes] = {}
 
     @property
     def connector(self) -> Connector:
@@ -312,43 +312,56 @@ class OffloadImpl:
         the content function of its key, on every worker. Keys are those of every request
         this driver has seen, finished ones included; a block's expected bytes are computed
         once per key, since they are a function of the key alone. CPU blocks in
-        ``exempt`` (damaged on purpose, not yet found out) are not checked."""
+        ``exempt`` (damaged on purpose, not yet found out) are not checked, nor GPU blocks a
+        load or a worker's queued KV write is still to fill."""
         if not self.workers:
             return []
         self._index_keys()
-        problems: list[str] = []
         loading = {b for load in self.connector.loads.values() for b in load.copy.gpu}
-        sizes = self.config.group_block_sizes
+        layers = self.workers[0].layout.num_layers
+        # The blocks to check per side and group, with their keys: the same on every worker.
+        sides = [
+            ("cpu", self._checked_blocks(self.connector.cpu, exempt)),
+            ("gpu", self._checked_blocks(self.engine.gpu, loading)),
+        ]
+        problems: list[str] = []
         for w in self.workers:
-            busy = loading | w.settle()
-            for side, pool, tensors in (
-                ("cpu", self.connector.cpu, w.cpu_blocks),
-                ("gpu", self.engine.gpu, w.gpu_blocks),
-            ):
-                skip = busy if side == "gpu" else exempt
-                checked: dict[int, list[tuple[int, str]]] = {}  # group -> (block, key)
-                for block in range(1, pool.num_blocks):
-                    key = pool.key[block]
-                    if key is None or block in skip or key not in self._key_seeds:
-                        continue
-                    shared = block_key(key)
-                    if pool.has(key, block) and not shared.num_tokens % sizes[shared.group]:
-                        checked.setdefault(shared.group, []).append((block, key))
+            busy = w.settle()
+            for side, checked in sides:
+                tensors = w.cpu_blocks if side == "cpu" else w.gpu_blocks
                 for group, found in checked.items():
-                    # Every block of the group in one gather and one comparison; the blocks
-                    # and layers that differ are looked for only when something does.
-                    actual = tensors[group][[block for block, _ in found]].cpu()
-                    expected = torch.stack([self._expected(key) for _, key in found])
-                    if torch.equal(actual, expected):
-                        continue
-                    for (block, key), have, want in zip(found, actual, expected, strict=True):
-                        for layer, (a, b) in enumerate(zip(have, want, strict=True)):
-                            if not torch.equal(a, b):
-                                problems.append(
-                                    f"worker {w.rank} {side} block {block} layer {layer} "
-                                    f"does not hold the KV of {block_key(key)}"
-                                )
+                    # The group's whole pool as bytes, one copy, each block a slice of it:
+                    # a comparison of bytes per block costs less than a tensor operation.
+                    held = tensor_bytes(tensors[group])
+                    row = len(held) // tensors[group].shape[0]
+                    for block, key in found:
+                        have, want = held[block * row : (block + 1) * row], self._expected(key)
+                        if have == want or (side == "gpu" and block in busy):
+                            continue
+                        span = row // layers
+                        problems += [
+                            f"worker {w.rank} {side} block {block} layer {layer} "
+                            f"does not hold the KV of {block_key(key)}"
+                            for layer in range(layers)
+                            if have[layer * span : (layer + 1) * span]
+                            != want[layer * span : (layer + 1) * span]
+                        ]
         return problems
+
+    def _checked_blocks(self, pool: Pool, skip: Container[int]) -> dict[int, list[tuple[int, str]]]:
+        """Per group, the blocks of ``pool`` whose bytes are known, in id order with their
+        keys: not in ``skip``, keyed by a full block of a request seen, registered under
+        that key."""
+        sizes = self.config.group_block_sizes
+        checked: dict[int, list[tuple[int, str]]] = {}
+        for block in range(1, pool.num_blocks):
+            key = pool.key[block]
+            if key is None or block in skip or key not in self._key_seeds:
+                continue
+            shared = block_key(key)
+            if pool.has(key, block) and not shared.num_tokens % sizes[shared.group]:
+                checked.setdefault(shared.group, []).append((block, key))
+        return checked
 
     def _index_keys(self) -> None:
         """Record the token seeds behind every full-block key of the requests seen so far.
@@ -370,14 +383,14 @@ class OffloadImpl:
             if req.status is Status.FINISHED:
                 self._fully_indexed.add(rid)
 
-    def _expected(self, key: str) -> torch.Tensor:
-        """The bytes of a full block under ``key`` in every layer, ``[layers, bytes]``."""
+    def _expected(self, key: str) -> bytes:
+        """The bytes of a full block under ``key``, every layer in turn (a block's row)."""
         found = self._expected_bytes.get(key)
         if found is None:
             layout = self.workers[0].layout
             group = block_key(key).group
-            found = layer_bytes(
-                self._key_seeds[key], group, layout.num_layers, layout.bytes_per_token
+            found = tensor_bytes(
+                layer_bytes(self._key_seeds[key], group, layout.num_layers, layout.bytes_per_token)
             )
             self._expected_bytes[key] = found
         return found

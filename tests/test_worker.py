@@ -11,7 +11,7 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import KVLayout, OffloadImpl
-from kvoffload.impl.content import checksum, token_bytes, token_seeds
+from kvoffload.impl.content import checksum, tensor_bytes, token_bytes, token_seeds
 from kvoffload.impl.streams import ComputeStream, CopyThread, InlineCopies
 from kvoffload.model import DataIntegrityError, InvalidArgumentError, OffloadConfig
 from kvoffload.testing.lockstep import apply, first_disagreement
@@ -33,6 +33,20 @@ def test_content_is_a_function_of_the_prefix_group_and_layer() -> None:
     assert not torch.equal(a, token_bytes(seeds, 1, 0, 8))
     assert not torch.equal(a, token_bytes(seeds, 0, 1, 8))
     assert checksum(a) != checksum(a.flip(0))
+
+
+def test_tensor_bytes_are_the_memory_of_the_tensor_in_row_major_order() -> None:
+    # The data check compares blocks as slices of these bytes: each block's row must be
+    # where its index says, whatever the dtype and however the tensor was made.
+    blocks = torch.arange(5 * 2 * 6, dtype=torch.int64).to(torch.uint8).reshape(5, 2, 6)
+    assert tensor_bytes(blocks) == bytes(blocks.reshape(-1).tolist())
+    assert tensor_bytes(blocks)[2 * 12 : 3 * 12] == bytes(blocks[2].reshape(-1).tolist())
+    assert tensor_bytes(blocks[1:3]) == bytes(blocks[1:3].reshape(-1).tolist())
+    columns = blocks.transpose(0, 2)  # not contiguous: its own row-major order
+    assert tensor_bytes(columns) == bytes(columns.reshape(-1).tolist())
+    words = torch.tensor([1, 256], dtype=torch.int16)
+    assert tensor_bytes(words) == (1).to_bytes(2, "little") + (256).to_bytes(2, "little")
+    assert tensor_bytes(blocks[:0]) == b""
 
 
 def test_a_corrupted_host_block_is_never_loaded() -> None:
