@@ -415,7 +415,12 @@ class Connector:
         cpu: list[int] = []
         for table, blocks, size in zip(tables, hit.blocks, self.sizes, strict=True):
             base = hit.start // size
-            for i, block in enumerate(blocks[: -(-external // size)]):
+            taken = blocks[: -(-external // size)]
+            if NULL not in taken:  # every position loads: the table's run, as it is
+                gpu += table[base : base + len(taken)]
+                cpu += taken
+                continue
+            for i, block in enumerate(taken):
                 if block != NULL:  # a sliding window's position before its run
                     gpu.append(table[base + i])
                     cpu.append(block)

@@ -112,10 +112,11 @@ def _pools(state: Engine) -> list[BlockPool]:
 
 def pool_queue(state: Engine) -> Iterator[str]:
     for pool in _pools(state):
-        queued = Counter(pool.free_queue)
-        for block_id, n in queued.items():
-            if n > 1:
-                yield f"{pool.name} block {block_id} is queued {n} times"
+        queued = set(pool.free_queue)
+        if len(queued) < len(pool.free_queue):  # (counted only then: a check per call)
+            for block_id, n in Counter(pool.free_queue).items():
+                if n > 1:
+                    yield f"{pool.name} block {block_id} is queued {n} times"
         for b in pool.blocks:
             if b.ref_cnt < 0:
                 yield f"{pool.name} block {b.block_id} has ref count {b.ref_cnt}"
@@ -669,18 +670,26 @@ def exercised(state: Engine) -> set[str]:
     could have failed (for the campaign's coverage report)."""
     c = state.connector
     gpu, cpu = state.gpu_pool, c.cpu_pool
+    # (run once per driver call by every campaign: each subject looked for in one pass)
+    gpu_held, cpu_held = (
+        any(b.ref_cnt for b in gpu.blocks[1:]),
+        any(b.ref_cnt for b in cpu.blocks[1:]),
+    )
+    picked = any(s.picks for s in c.selection_log)
     subjects = {
-        "POOL-QUEUE": any(b.ref_cnt for b in gpu.blocks[1:] + cpu.blocks[1:]),
+        "POOL-QUEUE": gpu_held or cpu_held,
         "POOL-MAP": bool(gpu.cached or cpu.cached),
         "POOL-PRIMARY": any(
-            b.ref_cnt == 0 and b.block_hash is not None for b in gpu.blocks[1:] + cpu.blocks[1:]
+            b.ref_cnt == 0 and b.block_hash is not None
+            for pool in (gpu, cpu)
+            for b in pool.blocks[1:]
         ),
         "POOL-NULL": True,
         "POOL-FRESH": bool(gpu.allocation_log or cpu.allocation_log),
-        "REF-GPU": any(b.ref_cnt for b in gpu.blocks[1:]),
-        "REF-CPU": any(b.ref_cnt for b in cpu.blocks[1:]),
+        "REF-GPU": gpu_held,
+        "REF-CPU": cpu_held,
         "KEYS": any(any(n) for n in state.num_cached_blocks.values()),
-        "SKIP": any(s.picks for s in c.selection_log),
+        "SKIP": picked,
         "CAPACITY": bool(c.selection_log),
         "UNREACHABLE": bool(_stores(state) or c.dropped_log),
         "REGISTERED": bool(c.completion_log),
@@ -704,7 +713,7 @@ def exercised(state: Engine) -> set[str]:
         "BOUNDARY": bool(c.boundary_log),
         "TAIL": bool(c.tail_log),
         "RECOVER": bool(c.null_log),
-        "POSITION": any(s.picks for s in c.selection_log),
+        "POSITION": picked,
         "TABLE": any(
             _table_named(state, r) for r, store in c.reqs_to_store.items() if not store.finished
         ),

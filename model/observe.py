@@ -17,6 +17,7 @@ from kvoffload.model.snapshot import (
 
 
 def pool_view(pool: BlockPool) -> PoolView:
+    secondary = pool.secondary  # (most blocks have none: no set to make and sort for them)
     return PoolView(
         blocks=tuple(
             BlockView(
@@ -24,7 +25,7 @@ def pool_view(pool: BlockPool) -> PoolView:
                 b.ref_cnt,
                 b.block_hash,
                 b.block_hash_num_tokens,
-                tuple(sorted(pool.secondary.get(b.block_id, set()))),
+                tuple(sorted(secondary[b.block_id])) if b.block_id in secondary else (),
             )
             for b in pool.blocks
         ),
