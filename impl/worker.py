@@ -301,20 +301,34 @@ class Worker:
 
     # -- integrity ------------------------------------------------------------------------
 
-    def block_sum(self, cpu_id: int) -> list[int]:
-        """The checksum of a host block in every group and layer, in that order."""
-        return [c for cpu in self.cpu_blocks for c in checksums(cpu[cpu_id])]
+    def block_sums(self, cpu_ids: Sequence[int]) -> list[list[int]]:
+        """The checksums of each host block of ``cpu_ids``, in every group and layer in that
+        order: one gather and one checksum pass per group for the whole batch, not per
+        block (a store seals all its blocks at once)."""
+        sums: list[list[int]] = [[] for _ in cpu_ids]
+        if not sums:
+            return sums
+        for cpu in self.cpu_blocks:
+            layers = cpu.shape[1]
+            flat = checksums(cpu[list(cpu_ids)].reshape(len(sums) * layers, -1))
+            for k, block in enumerate(sums):
+                block += flat[k * layers : (k + 1) * layers]
+        return sums
 
     def seal(self, cpu_ids: Sequence[int]) -> None:
         """Record the checksums of newly registered CPU blocks."""
         if self.layout.checksums:
-            for cpu_id in cpu_ids:
-                self.sums[cpu_id] = self.block_sum(cpu_id)
+            self.sums.update(zip(cpu_ids, self.block_sums(cpu_ids), strict=True))
+
+    def _sealed_sums(self, cpu_ids: Sequence[int]) -> list[tuple[int, list[int]]]:
+        """The sealed blocks among ``cpu_ids``, in order, each with its checksums now."""
+        sealed = [i for i in cpu_ids if i in self.sums]
+        return list(zip(sealed, self.block_sums(sealed), strict=True))
 
     def damaged(self, cpu_ids: Sequence[int]) -> set[int]:
         """The sealed CPU blocks among ``cpu_ids`` whose bytes no longer match their
         checksum (none can be told without checksums)."""
-        return {i for i in cpu_ids if i in self.sums and self.block_sum(i) != self.sums[i]}
+        return {i for i, now in self._sealed_sums(cpu_ids) if now != self.sums[i]}
 
     def corrupt(self, cpu_id: int) -> None:
         """Damage one sealed host block (an injected fault): flip its bytes in every group's
@@ -325,9 +339,8 @@ class Worker:
             layers[0][cpu_id] ^= 0xFF
 
     def check_sums(self, cpu_ids: Sequence[int]) -> None:
-        for cpu_id in cpu_ids:
-            expected = self.sums.get(cpu_id)
-            if expected is not None and self.block_sum(cpu_id) != expected:
+        for cpu_id, now in self._sealed_sums(cpu_ids):
+            if now != self.sums[cpu_id]:
                 raise DataIntegrityError(
                     f"worker {self.rank}: cpu block {cpu_id} does not match the checksum "
                     "recorded at its registration; refusing to load it"

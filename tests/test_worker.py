@@ -65,6 +65,22 @@ def test_a_corrupted_host_block_is_never_loaded() -> None:
     impl.close()
 
 
+def test_a_batch_of_checksums_is_each_blocks_own_group_by_group_and_layer_by_layer() -> None:
+    impl = OffloadImpl(cfg(32, 16, (16, 32)), device="cpu")  # two groups, two layers each
+    for call in STORE_THEN_EVICT[:-1]:
+        apply(impl, call)
+    worker = impl.workers[0]
+    blocks = [2, 0, 5, 2]  # any order, the null block and repeats included
+    one_by_one = [
+        [checksum(layers[layer][b]) for layers in worker.cpu_kv for layer in range(2)]
+        for b in blocks
+    ]
+    assert worker.block_sums(blocks) == one_by_one
+    assert worker.block_sums([]) == []
+    assert len(set(map(tuple, one_by_one))) > 1  # the blocks' bytes differ: a real check
+    impl.close()
+
+
 def test_a_load_of_a_block_that_fails_its_checksum_is_refused() -> None:
     """The last line of defence, under the lookup's check: a worker never copies a host
     block whose bytes changed since it was sealed."""
