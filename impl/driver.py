@@ -330,12 +330,15 @@ class OffloadImpl:
             for side, checked in sides:
                 tensors = w.cpu_blocks if side == "cpu" else w.gpu_blocks
                 for group, found in checked.items():
-                    # The group's whole pool as bytes, one copy, each block a slice of it:
-                    # a comparison of bytes per block costs less than a tensor operation.
-                    held = tensor_bytes(tensors[group])
-                    row = len(held) // tensors[group].shape[0]
+                    # The group's blocks from the first checked to the last as bytes, one
+                    # copy, each block a slice of it: a comparison of bytes per block costs
+                    # less than a tensor operation.
+                    first, last = found[0][0], found[-1][0]
+                    held = tensor_bytes(tensors[group][first : last + 1])
+                    row = len(held) // (last + 1 - first)
                     for block, key in found:
-                        have, want = held[block * row : (block + 1) * row], self._expected(key)
+                        at = (block - first) * row
+                        have, want = held[at : at + row], self._expected(key)
                         if have == want or (side == "gpu" and block in busy):
                             continue
                         span = row // layers

@@ -193,7 +193,8 @@ class ConformanceMachine(RuleBasedStateMachine):
     resets: ClassVar[bool] = True  # the target has reset() (vLLM's offload code from 0.24.0)
     reports_stats: ClassVar[bool] = True  # the target has stats() (vLLM's from 0.31.0)
     # False: every call applied to both sides and nothing checked (no comparison, the
-    # model's invariants unchecked), the floor the checks' cost sits on (``kvoffload bench``)
+    # model's invariants unchecked): what the machine costs without its checks, measured by
+    # ``kvoffload bench`` beside it
     checks: ClassVar[bool] = True
     adapter: ClassVar[Adapter]
     recorder: ClassVar[Recorder] = Recorder()

@@ -3,10 +3,11 @@ Hypothesis machine with the same rules and draws whose bodies only count, run in
 process with the same settings. The ratio is the share of Hypothesis's own speed that
 comparing the model and an implementation after every call leaves.
 
-A third machine gives the floor under that ratio: the conformance machine's rules with every
-call applied to both sides and nothing checked (no comparison, no invariant, no bytes). The
-checks can cost no less than nothing, so no work on them lifts the ratio above the floor's;
-only the model's and the implementation's own calls, and the rules around them, can."""
+A third machine bounds that ratio from above: the conformance machine on the same programs
+with every call applied to both sides and nothing checked (no comparison, no invariant, no
+bytes). The checks can cost no less than nothing, so no work on them lifts the ratio above
+this machine's; only the model's and the implementation's own calls, and the rules around
+them, can."""
 
 from __future__ import annotations
 
