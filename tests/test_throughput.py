@@ -52,9 +52,9 @@ def test_the_trivial_machine_has_the_conformance_machines_rules_and_draws() -> N
 
 
 def test_the_unchecked_machine_makes_the_calls_and_checks_nothing() -> None:
-    # The floor is a floor only while the unchecked machine does the conformance machine's
-    # work less the checks: a fault the conformance machine finds in its first programs runs
-    # through it unnoticed, on as many programs.
+    # Its rate bounds the conformance machine's only while it does the same work less the
+    # checks: a fault the conformance machine finds in its first programs runs through it
+    # unnoticed, on as many programs.
     config = settings(
         max_examples=10,
         stateful_step_count=30,
