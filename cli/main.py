@@ -7,7 +7,12 @@ Exit status, for every subcommand:
 - 2: bad usage or bad input (an unknown target, an unreadable failure file, an output folder
   that does not exist): one line on standard error, before anything runs or is written;
 - 3: a broken setup (a target that cannot be built, a release environment that fails, a
-  package that is not installed) or an error of kvoffload itself: what broke is said.
+  package that is not installed), the model breaking one of its own invariants on a program
+  (a bug of the specification: the program is saved like any failure), or an error of
+  kvoffload itself: what broke is said.
+
+Every number an argument gives is bounded (:mod:`kvoffload.model.limits`) and checked before
+anything runs; an error is one line, the values it shows cut short.
 """
 
 from __future__ import annotations
@@ -22,12 +27,19 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from kvoffload import __version__
 from kvoffload.model.errors import ConfigError, KVOffloadError, SetupError
+from kvoffload.model.limits import MAX_SECONDS, MAX_SEED, brief, cores, cut
 from kvoffload.model.variants import VARIANTS
 from kvoffload.upstream.targets import is_vllm_target
 
 EXIT_CODES = """exit status: 0 conforms (or as expected), 1 a disagreement, 2 bad usage or input,
-3 a broken setup (or an error of kvoffload itself)"""
+3 a broken setup, the model breaking its own invariant, or an error of kvoffload itself"""
+TARGETS = (
+    "impl (the implementation on the CPU), impl-cuda (on a GPU), fault:NAME (a fault of the "
+    "catalogue), or vLLM: a release as vllm==X.Y.Z, a source tree or checkout as vllm@PATH, "
+    "the vLLM of this environment as vllm (docs/upstream.md)"
+)
 
 # Packages some subcommands import, and how to get them.
 INSTALL = {
@@ -43,7 +55,7 @@ class Parser(argparse.ArgumentParser):
     """argparse, with usage errors said in one line (exit status 2)."""
 
     def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: {message}\n")
+        self.exit(2, f"{self.prog}: {cut(message)}\n")
 
 
 def seconds(text: str) -> float:
@@ -51,38 +63,45 @@ def seconds(text: str) -> float:
     try:
         value = float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number of seconds") from None
-    if not math.isfinite(value) or value <= 0:
-        raise argparse.ArgumentTypeError(f"seconds must be finite and > 0, got {text!r}")
+        raise argparse.ArgumentTypeError(f"{brief(text)} is not a number of seconds") from None
+    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
+        raise argparse.ArgumentTypeError(
+            f"seconds must be finite, > 0 and at most {MAX_SECONDS:.0f} (a week), got {brief(text)}"
+        )
     return value
 
 
-def _whole(text: str, minimum: int) -> int:
+def _whole(text: str, minimum: int, maximum: int, what: str = "") -> int:
+    if len(text) > 40:  # (converting a digit string takes time quadratic in its length)
+        raise argparse.ArgumentTypeError(f"{brief(text)} is longer than any number taken here")
     try:
         value = int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-    if value < minimum:
-        raise argparse.ArgumentTypeError(f"must be >= {minimum}, got {value}")
+        raise argparse.ArgumentTypeError(f"{brief(text)} is not a whole number") from None
+    if not minimum <= value <= maximum:
+        raise argparse.ArgumentTypeError(
+            f"must be from {minimum} to {maximum}{what}, got {brief(value)}"
+        )
     return value
 
 
-# The mutation matrix's campaigns are independent and CPU-bound: one process per core.
-JOBS = os.cpu_count() or 1
+# The mutation matrix's campaigns are independent and CPU-bound: one process per core, and
+# never more (each holds its own copy of the model, the implementation and Hypothesis).
+JOBS = cores()
 JOBS_HELP = (
-    "processes that run the mutation matrix's campaigns at once (default: one per core, "
-    "here %(default)s); the verdict is the same for any number"
+    "processes that run the mutation matrix's campaigns at once, at most one per core "
+    "(default: one per core, here %(default)s); the verdict is the same for any number"
 )
 
 
-def count(text: str) -> int:
-    """A whole number >= 1 (workers)."""
-    return _whole(text, 1)
+def processes(text: str) -> int:
+    """A whole number of processes from 1 to the cores here (``--jobs``, ``--workers``)."""
+    return _whole(text, 1, cores(), f" (the cores here: {cores()})")
 
 
 def seed(text: str) -> int:
-    """A whole number >= 0 (a seed)."""
-    return _whole(text, 0)
+    """A whole number from 0 to :data:`~kvoffload.model.limits.MAX_SEED` (a seed)."""
+    return _whole(text, 0, MAX_SEED)
 
 
 def output_file(text: str) -> str:
@@ -118,6 +137,7 @@ def build_parser() -> Parser:
         description="Verification kit for KV-cache CPU offloading.",
         epilog=EXIT_CODES,
     )
+    parser.add_argument("--version", action="version", version=f"kvoffload {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="walk one offloading story step by step")
     demo.add_argument(
@@ -150,12 +170,7 @@ def build_parser() -> Parser:
         "mutation matrix runs ci, or nightly when that is chosen",
     )
     verify.add_argument("--seconds", type=seconds, help="run the campaign for this long")
-    verify.add_argument(
-        "--target",
-        help="adapter to verify (default: impl, or impl-cuda); or vLLM: a release as "
-        "vllm==X.Y.Z, a source tree or checkout as vllm@PATH, the vLLM of this environment "
-        "as vllm (docs/upstream.md)",
-    )
+    verify.add_argument("--target", help=f"what to verify (default: impl, or impl-cuda): {TARGETS}")
     verify.add_argument(
         "--install",
         action="store_true",
@@ -168,7 +183,7 @@ def build_parser() -> Parser:
         "its release's variant, or to the model variant named)",
     )
     verify.add_argument("--no-mutants", action="store_true", help="skip the mutation matrix")
-    verify.add_argument("--jobs", type=count, default=JOBS, help=JOBS_HELP)
+    verify.add_argument("--jobs", type=processes, default=JOBS, help=JOBS_HELP)
     verify.add_argument(
         "--seed", type=seed, help="a random profile's seed (printed by every campaign)"
     )
@@ -194,7 +209,10 @@ def build_parser() -> Parser:
     mutants.add_argument(
         "--write", type=output_file, help="also write the bug catalogue page to this file"
     )
-    mutants.add_argument("--jobs", type=count, default=JOBS, help=JOBS_HELP)
+    mutants.add_argument("--jobs", type=processes, default=JOBS, help=JOBS_HELP)
+    mutants.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write the matrix as JSON"
+    )
     replay = sub.add_parser(
         "replay", help="a saved failure as a pytest file, or run again", epilog=EXIT_CODES
     )
@@ -203,32 +221,51 @@ def build_parser() -> Parser:
     replay.add_argument(
         "--run",
         action="store_true",
-        help="drive the failure's program again (for vLLM, in its release's environment): "
-        "exit status 1 while it disagrees, 0 once it conforms",
+        help="drive the failure's program again on the very target it failed on (a vLLM "
+        "release or tree in the cache's environment, a tree only while its sources are as "
+        "they were): exit status 1 while it disagrees, 0 once it conforms, 2 when that target "
+        "is not here",
+    )
+    replay.add_argument(
+        "--target",
+        help=f"with --run or --html: replay on this target instead, on purpose: {TARGETS}",
+    )
+    replay.add_argument(
+        "--html",
+        type=output_file,
+        metavar="FILE",
+        help="drive the program again and write a page of it: per call, each tier's blocks "
+        "for the model and the target side by side, the first difference marked",
     )
     fuzz = sub.add_parser(
         "fuzz",
         help="the campaign in several processes sharing one example database",
         epilog=EXIT_CODES,
     )
+    fuzz.add_argument("--target", help=f"what to fuzz (default: impl, or impl-cuda): {TARGETS}")
     fuzz.add_argument(
-        "--target", help="as for verify (default: impl, or impl-cuda); or vllm==X.Y.Z"
+        "--workers",
+        type=processes,
+        default=min(2, cores()),
+        help="processes, at most one per core (default: %(default)s)",
     )
-    fuzz.add_argument("--workers", type=count, default=2, help="processes (default: 2)")
     fuzz.add_argument(
         "--seconds", type=seconds, default=60.0, help="how long each worker runs (default: 60)"
     )
     fuzz.add_argument(
         "--database",
-        metavar="FOLDER|redis://HOST:PORT[/DB]",
-        help="the shared example database (default: .hypothesis/examples); a Redis server "
-        "shares it between machines",
+        metavar="FOLDER|redis[s]://[[USER]:PASSWORD@]HOST[:PORT][/DB]",
+        help="the shared example database (default: .hypothesis/examples), which must be "
+        "writable; a Redis server shares it between machines (the password is never shown)",
     )
     fuzz.add_argument(
         "--profile", choices=["fast", "nightly"], help="Hypothesis profile (default: nightly)"
     )
     fuzz.add_argument(
         "--seed", type=seed, help="worker k runs from seed SEED + k * 1000000 (printed)"
+    )
+    fuzz.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write the verdict as JSON"
     )
     history = sub.add_parser(
         "history",
@@ -253,6 +290,9 @@ def build_parser() -> Parser:
     history.add_argument(
         "--write", type=output_file, metavar="FILE", help="also write the page (docs/history.md)"
     )
+    history.add_argument(
+        "--json", type=output_file, metavar="FILE", help="also write every verdict as JSON"
+    )
     install = sub.add_parser("install", help="install a vLLM release into the cache folder")
     install.add_argument("target", help="the release, as vllm==X.Y.Z")
     return parser
@@ -265,11 +305,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return _run(args)
     except SetupError as error:
-        print(f"kvoffload {args.command}: broken setup: {error}", file=sys.stderr)
+        print(f"kvoffload {args.command}: broken setup: {cut(str(error))}", file=sys.stderr)
         return 3
     except KVOffloadError as error:
         # Bad input (an unknown target, a release not installed): said plainly, no traceback.
-        print(f"kvoffload {args.command}: {error}", file=sys.stderr)
+        print(f"kvoffload {args.command}: {cut(str(error))}", file=sys.stderr)
         return 2
     except Exception as error:
         missing = (getattr(error, "name", None) or "").partition(".")[0]
@@ -325,19 +365,31 @@ def _run(args: argparse.Namespace) -> int:
                 args.jobs,
             )
         if args.command == "mutants":
-            return campaign.run_mutants(args.profile, args.write, args.jobs)
-        return campaign.run_replay(args.failure, args.output, args.run)
+            return campaign.run_mutants(args.profile, args.write, args.jobs, args.json)
+        return campaign.run_replay(args.failure, args.output, args.run, args.target, args.html)
     if args.command == "fuzz":
         from kvoffload.testing.fuzz import run_fuzz
 
         return run_fuzz(
-            args.target, args.workers, args.seconds, args.database, args.profile, args.seed
+            args.target,
+            args.workers,
+            args.seconds,
+            args.database,
+            args.profile,
+            args.seed,
+            json_path=args.json,
         )
     if args.command == "history":
         from kvoffload.upstream.history import run_history
 
         return run_history(
-            args.only, args.profile, args.seconds, args.install, args.write, args.releases
+            args.only,
+            args.profile,
+            args.seconds,
+            args.install,
+            args.write,
+            args.releases,
+            json_path=args.json,
         )
     if args.command == "install":
         from kvoffload.upstream.install import install_command

@@ -6,6 +6,13 @@ runs the scheduler alone, without tensors (for scheduler benchmarks). ``device``
 the "GPU" blocks live: ``cuda`` when available, else host memory. ``lockstep=True`` makes
 every copy of a step complete before the step returns, on the caller's thread (no copy
 thread is started), in the copy engine's order: what the conformance machine drives.
+
+Invariants kept: the driver API is the model's, call for call and signature for signature
+(``tests/test_driver_parity.py`` holds the two to each other); INPUT (``docs/spec.md``):
+every call is checked by :mod:`kvoffload.model.validate`, the model's own checks, before
+anything changes, so that the same bad call raises the same error with the same message on
+both; a configuration whose KV would pass ``MAX_KV_BYTES`` is refused before any tensor is
+allocated or any copy thread started (:func:`kvoffload.impl.worker.require_kv_fits`).
 """
 
 from __future__ import annotations
@@ -22,9 +29,10 @@ from kvoffload.impl.faults import FAULTS
 from kvoffload.impl.pool import Pool, block_key
 from kvoffload.impl.snapshot import Views
 from kvoffload.impl.validation import Validation
-from kvoffload.impl.worker import KVLayout, Worker
+from kvoffload.impl.worker import KVLayout, Worker, require_kv_fits
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
+from kvoffload.model.limits import brief
 from kvoffload.model.snapshot import Snapshot
 from kvoffload.model.types import NO_EVENT, FinishResult, KVEvent, OffloadStats, StepResult
 from kvoffload.model.validate import (
@@ -33,6 +41,9 @@ from kvoffload.model.validate import (
     require_flag,
     require_int,
     require_live_request,
+    require_request_id,
+    require_resettable,
+    require_token_budget,
     require_tokens,
 )
 
@@ -53,6 +64,21 @@ def _compose(base: type, chosen: list[type], name: str) -> type:
     return type(name, (*chosen, base), {})
 
 
+def _fault_names(faults: Sequence[str]) -> tuple[str, ...]:
+    """The fault names of the catalogue ``faults`` names, taken in one pass (a sequence that
+    changes between two iterations is read once: the names checked are the names used)."""
+    if isinstance(faults, (str, bytes)) or not isinstance(faults, Sequence):
+        raise ConfigError(f"faults must be a sequence of fault names, got {brief(faults)}")
+    names = tuple(faults)
+    for name in names:
+        if not isinstance(name, str):
+            raise ConfigError(f"a fault name must be a str, got {brief(name)}")
+    unknown = sorted(set(names) - set(FAULTS))
+    if unknown:
+        raise ConfigError(f"unknown faults {brief(unknown)}; known: {sorted(FAULTS)}")
+    return names
+
+
 class OffloadImpl:
     def __init__(
         self,
@@ -62,12 +88,12 @@ class OffloadImpl:
         device: str | torch.device | None = None,
         lockstep: bool = False,
     ) -> None:
-        unknown = sorted(set(faults) - set(FAULTS))
-        if unknown:
-            raise ConfigError(f"unknown faults {unknown}; known: {sorted(FAULTS)}")
+        names = _fault_names(faults)
+        if layout is not None:
+            require_kv_fits(config, layout)  # before any tensor or thread
         self.config = config
-        self.faults = tuple(faults)
-        classes = [FAULTS[f].cls for f in faults]
+        self.faults = names
+        classes = [FAULTS[f].cls for f in names]
         connector = _compose(Connector, [c for c in classes if issubclass(c, Connector)], "C")
         worker = _compose(Worker, [c for c in classes if issubclass(c, Worker)], "W")
         checks = _compose(Validation, [c for c in classes if issubclass(c, Validation)], "V")
@@ -128,11 +154,13 @@ class OffloadImpl:
         self.engine.add(request_id, tokens, max_tokens, skip_reading_prefix_cache)
 
     def step(self, token_budget: int) -> StepResult:
-        require_int("token_budget", token_budget, 0)
+        require_token_budget(token_budget)
         for w in self.workers:
             w.begin_step()
         ranges, loading, scheduled, preempted = self.engine.step(token_budget)
-        meta = self.connector.build_meta(scheduled, preempted, self.engine.take_offers())
+        # The connector hears of the requests a prefix-cache reset preempted with the step's.
+        told = [*preempted, *self.engine.take_reset_preempted()]
+        meta = self.connector.build_meta(scheduled, told, self.engine.take_offers())
         for w in self.workers:
             for rid, (start, end) in ranges.items():
                 req = self.engine.requests[rid]
@@ -146,7 +174,7 @@ class OffloadImpl:
         return StepResult(ranges, tuple(loading), tuple(finished), meta, tuple(preempted))
 
     def finish(self, request_id: str) -> FinishResult:
-        req = self.engine.requests.get(request_id)
+        req = self.engine.requests.get(require_request_id(request_id))
         require_live_request(request_id, None if req is None else req.status)
         flush = self.engine.finish(request_id)
         if flush is None:
@@ -214,6 +242,9 @@ class OffloadImpl:
         counter = (
             self.connector.next_store_event if kind == "store" else self.connector.next_load_event
         )
+        # The event is looked up below: an int first (the first check the validation makes,
+        # so the same message), never an unhashable value raising TypeError from the table.
+        require_int("event", event, 0)
         reported = table.get(event, set())
         self.validation.completion(kind, event, worker, counter, reported)
         if self.workers:
@@ -221,6 +252,41 @@ class OffloadImpl:
             (w.wait_store if kind == "store" else w.wait_load)(event)
         table[event] = reported | {worker}
         return table[event]
+
+    def complete_all(self) -> tuple[str, ...]:
+        """Every worker reports every store and load still owed, in one output (each copy
+        waited for first): the loads' CPU blocks released, then the stores processed, then
+        the loaded requests' GPU blocks, as the model's ``complete_all``; returns the
+        requests whose loads are now complete."""
+        owed_loads, owed_stores = self.outstanding("load"), self.outstanding("store")
+        for event, rank in owed_loads:
+            if self.workers:
+                self.workers[rank].wait_load(event)
+        stores: dict[int, int] = {}
+        for event, rank in owed_stores:
+            if self.workers:
+                self.workers[rank].wait_store(event)
+            stores[event] = stores.get(event, 0) + 1
+        everyone = set(range(self.config.world_size))
+        finished: list[str] = []
+        for event in sorted({event for event, _ in owed_loads}):
+            self._load_reports[event] = set(everyone)
+            finished += self.connector.load_events.get(event, ())
+        for event in stores:
+            self._store_reports[event] = set(everyone)
+        # The stores this output completes whole, and not dropped, are sealed after it.
+        live = {
+            event: copy
+            for event in stores
+            if (copy := self.connector.stores.get(event)) is not None
+            and event not in self.connector.failed
+        }
+        self.engine.worker_output(set(finished), stores)
+        for event, copy in live.items():
+            if event not in self.connector.stores:
+                for w in self.workers:
+                    w.seal(copy.cpu)
+        return tuple(sorted(finished))
 
     def ready(self, kind: str) -> list[tuple[int, int]]:
         """Outstanding (event, worker) completions whose copies have finished: polled, never
@@ -239,14 +305,18 @@ class OffloadImpl:
     def reset(self) -> bool:
         return self.connector.reset()
 
-    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
-        """The GPU prefix cache cleared when no block is in use, then the connector's reset
-        if asked; True only if neither tier serves a hit afterwards (vLLM issue #57727)."""
+    def reset_prefix_cache(
+        self, reset_connector: bool = False, reset_running_requests: bool = False
+    ) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache``: with ``reset_running_requests`` every
+        running request preempted first; the GPU prefix cache cleared when no block is in
+        use, then the connector's reset if asked; True only if neither tier serves a hit
+        afterwards (vLLM issue #57727). A reset whose preemption cannot free a block a load or
+        a transfer holds is refused before anything changes (vLLM preempts, then raises)."""
         flag = require_flag("reset_connector", reset_connector)
-        gpu = self.engine.gpu.clear_cache()
-        if flag:
-            return self.connector.reset() and gpu
-        return gpu and self.connector.serves_nothing()
+        running = require_flag("reset_running_requests", reset_running_requests)
+        require_resettable(self.engine.blocks_kept_from_reset() if running else [])
+        return self.engine.reset_prefix_cache(flag, running)
 
     def has_pending_stores(self) -> bool:
         return self.connector.pending()
@@ -263,7 +333,7 @@ class OffloadImpl:
         elif kind == "load":
             counter, table = self.connector.next_load_event, self._load_reports
         else:
-            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
+            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {brief(kind)}")
         return owed_completions(self.config, counter, table)
 
     def snapshot(self) -> Snapshot:

@@ -4,6 +4,13 @@ Same semantics as the model's engine (``docs/spec.md``), with incremental per-re
 lists instead of recomputation, block ids and key strings (:mod:`kvoffload.impl.pool`)
 instead of objects, and KV writes delegated to the workers.
 
+A prefix-cache reset that preempts the running requests (``reset_prefix_cache`` with
+``reset_running``) preempts them from the last, as a step's preemption does, and the next
+step tells the connector of them with the step's own preempted requests (vLLM's
+``preempted_req_ids``); until then their trackers name the blocks the reset freed. A reset
+whose preemption could not free every block in use (a load's, a transfer's) is refused by
+the driver before it reaches here (``blocks_kept_from_reset``).
+
 Invariants kept: REF-GPU, REF-CPU, KEYS, MAMBA.
 """
 
@@ -120,6 +127,8 @@ class ImplEngine:
         # states cached in this step (a hit on one waits for the next step).
         self.offers: list[tuple[str, int]] = []
         self.cached_this_step: set[str] = set()
+        # The requests a prefix-cache reset preempted, for the next step's connector input.
+        self.reset_preempted: list[str] = []
 
     def add(
         self,
@@ -229,6 +238,40 @@ class ImplEngine:
             self.config.scheduler_block_size,
             req.junction,
         )
+
+    def take_reset_preempted(self) -> list[str]:
+        """Drain the requests prefix-cache resets preempted since the last step."""
+        taken, self.reset_preempted = self.reset_preempted, []
+        return taken
+
+    def reset_prefix_cache(self, reset_connector: bool, reset_running: bool = False) -> bool:
+        """vLLM's ``Scheduler.reset_prefix_cache``: with ``reset_running`` every running
+        request preempted first (from the last, so that they wait in their order); the GPU
+        prefix cache cleared if no block is in use, then the connector's reset if asked (even
+        when the GPU's was refused). True only if neither tier serves a hit afterwards (vLLM
+        issue #57727: without the connector's reset, a CPU tier that holds keys makes it
+        False)."""
+        while reset_running and self.running:
+            victim = self.running.pop()
+            self.preempt(victim)
+            self.reset_preempted.append(victim)
+        gpu = self.gpu.clear_cache()
+        if reset_connector:
+            return self.connector.reset() and gpu
+        return gpu and self.connector.serves_nothing()
+
+    def blocks_kept_from_reset(self) -> list[int]:
+        """The GPU blocks in use, in id order, that preempting every running request would
+        not free: held by a waiting request's load, a transfer, a request being finished (a
+        block's references beyond those of the running requests' tables)."""
+        held: dict[int, int] = {}
+        for rid in self.running:
+            for ids in self.tables.get(rid, []):
+                for block in ids:
+                    if block != NULL:
+                        held[block] = held.get(block, 0) + 1
+        ref = self.gpu.ref
+        return [b for b in range(NULL + 1, self.gpu.num_blocks) if ref[b] > held.get(b, 0)]
 
     def preempt(self, rid: str) -> None:
         """Out of the running queue already: blocks freed, back to the waiting queue's front
@@ -416,7 +459,13 @@ class ImplEngine:
         self.cached.pop(rid, None)
 
     def loads_done(self, rids: set[str]) -> None:
-        self.connector.report(rids, {})
+        self.worker_output(rids, {})
+
+    def worker_output(self, rids: set[str], stores: dict[int, int]) -> None:
+        """One output of the workers: the connector's reports (the loads of ``rids``
+        finished on every worker, then the stores' counts), then the requests whose loads
+        finished."""
+        self.connector.report(rids, stores)
         for rid in sorted(rids):
             if self.requests[rid].status is Status.WAITING_FOR_REMOTE_KVS:
                 self.loaded.add(rid)

@@ -16,6 +16,10 @@ Without CUDA, :mod:`kvoffload.impl.streams` emulates both streams deterministica
 Data integrity: the bytes are :mod:`kvoffload.impl.content`'s. With checksums on, a
 checksum of each CPU block is recorded when it is registered and checked before a load
 reads it: a corrupted host block raises :class:`DataIntegrityError` and is never served.
+
+Invariant kept: the tensors a worker allocates are those :func:`block_shape` names, so that
+:func:`kv_bytes` is what a world of workers allocates, and :func:`require_kv_fits` refuses a
+configuration past ``MAX_KV_BYTES`` before any worker exists.
 """
 
 from __future__ import annotations
@@ -30,7 +34,8 @@ from kvoffload.impl.content import INITIAL_SEED, checksums, layer_bytes, token_s
 from kvoffload.impl.copy import CopyPlan, mapped_pays, mapped_view, rows
 from kvoffload.impl.streams import ComputeStream, CopyEngine, CopyJob, CopyThread, InlineCopies
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.errors import DataIntegrityError
+from kvoffload.model.errors import ConfigError, DataIntegrityError
+from kvoffload.model.limits import MAX_KV_BYTES, brief
 
 
 @dataclass(frozen=True)
@@ -41,6 +46,38 @@ class KVLayout:
     bytes_per_token: int = 8
     checksums: bool = True
     compute_lag: int = 1
+
+
+def block_shape(layout: KVLayout, block_size: int) -> tuple[int, int]:
+    """One block of a group of ``block_size`` tokens in a worker's tensors: a row per layer
+    of ``block_size * bytes_per_token`` bytes (``torch.uint8``)."""
+    return layout.num_layers, block_size * layout.bytes_per_token
+
+
+def kv_bytes(config: OffloadConfig, layout: KVLayout) -> int:
+    """The bytes of KV every worker of ``config``'s world allocates in all: per worker, a GPU
+    and a CPU tensor per group, of every block of its pool (the null block included)."""
+    per_block = sum(
+        rows * width for rows, width in (block_shape(layout, s) for s in config.group_block_sizes)
+    )
+    return config.world_size * (config.gpu_blocks + config.cpu_blocks) * per_block
+
+
+def require_kv_fits(config: OffloadConfig, layout: KVLayout) -> None:
+    """A layout of positive sizes whose KV, in every worker's tensors, is at most
+    ``MAX_KV_BYTES``: checked before any tensor is allocated or any copy thread started."""
+    for name in ("num_layers", "bytes_per_token"):
+        value = getattr(layout, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ConfigError(f"KVLayout.{name} must be a positive int, got {brief(value)}")
+    need = kv_bytes(config, layout)
+    if need > MAX_KV_BYTES:
+        raise ConfigError(
+            f"the KV cache would take {brief(need)} bytes ({config.world_size} workers, each "
+            f"with {config.gpu_blocks} GPU and {config.cpu_blocks} CPU blocks per group, "
+            f"{brief(layout.num_layers)} layers of {brief(layout.bytes_per_token)} bytes per "
+            f"token); at most {MAX_KV_BYTES} (MAX_KV_BYTES)"
+        )
 
 
 class Transfer:
@@ -88,16 +125,17 @@ class Worker:
         self.rank = rank
         self.device = device
         self.cuda = device.type == "cuda"
-        bpt, layers = layout.bytes_per_token, layout.num_layers
+        layers = layout.num_layers
         # Per group one tensor of every layer, block-major ([blocks, layers, bytes]): a
         # block's KV in every layer is one row, so a transfer is one batched copy per group.
+        # (kv_bytes counts these very shapes.)
+        shapes = [block_shape(layout, size) for size in config.group_block_sizes]
         self.gpu_blocks = [
-            torch.zeros(config.gpu_blocks, layers, size * bpt, dtype=torch.uint8, device=device)
-            for size in config.group_block_sizes
+            torch.zeros(config.gpu_blocks, *shape, dtype=torch.uint8, device=device)
+            for shape in shapes
         ]
         self.cpu_blocks = [
-            torch.zeros(config.cpu_blocks, layers, size * bpt, dtype=torch.uint8)
-            for size in config.group_block_sizes
+            torch.zeros(config.cpu_blocks, *shape, dtype=torch.uint8) for shape in shapes
         ]
         if self.cuda:
             self.cpu_blocks = [t.pin_memory() for t in self.cpu_blocks]

@@ -23,16 +23,32 @@ Invariants kept here (checked once, at construction):
   (vLLM then serves fine-grained hits, ``fine_grained_hits``), in which case every group is
   full attention or Mamba and every Mamba block is the scheduler block (what is modelled of
   fine-grained hits: docs/fine-grained.md);
-- at least one group is full attention (vLLM's offload scheduler matches prefixes on one).
+- at least one group is full attention (vLLM's offload scheduler matches prefixes on one);
+- every size is within its bound (:mod:`kvoffload.model.limits`): each pool at most
+  ``MAX_BLOCKS`` blocks, each block size (the scheduler's too), the hash block size, each
+  window and chunk at most ``MAX_BLOCK_TOKENS`` tokens, at most ``MAX_GROUPS`` groups,
+  ``world_size`` and ``dcp_world_size`` at most ``MAX_WORLD_SIZE``; the bounds are checked
+  before anything is computed from the sizes (the least common multiple, a window's blocks);
+- every per-group field is a tuple copied once (a tuple subclass that iterates otherwise
+  each time is read once: what is checked is what is kept), and every message that shows a
+  value passed shows it through :func:`~kvoffload.model.limits.brief`.
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 
 from kvoffload.model.arith import chunk_skipped_tokens, window_skipped_tokens
 from kvoffload.model.errors import ConfigError
+from kvoffload.model.limits import (
+    MAX_BLOCK_TOKENS,
+    MAX_BLOCKS,
+    MAX_GROUPS,
+    MAX_WORLD_SIZE,
+    brief,
+)
 
 # The scheduler's token budget per step (vLLM's ``max_num_batched_tokens``), which sizes the
 # lazy mode's scan; vLLM's world in the adapter is configured with the same.
@@ -41,11 +57,18 @@ MAX_NUM_BATCHED_TOKENS = 2048
 LAZY_WATERMARK = 2
 
 
-def _require_positive_int(name: str, value: object) -> None:
+# The per-group fields: each a tuple, empty or of one entry per group.
+_PER_GROUP = ("group_block_sizes", "sliding_windows", "attention_chunks", "mamba")
+
+
+def _require_positive_int(name: str, value: object, maximum: int, bound: str) -> None:
+    """``value`` is an int in ``[1, maximum]``; ``bound`` names the limit ``maximum`` is."""
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"{name} must be an int, got {value!r}")
+        raise ConfigError(f"{name} must be an int, got {brief(value)}")
     if value <= 0:
-        raise ConfigError(f"{name} must be > 0, got {value}")
+        raise ConfigError(f"{name} must be > 0, got {brief(value)}")
+    if value > maximum:
+        raise ConfigError(f"{name} must be <= {maximum} ({bound}), got {brief(value)}")
 
 
 @dataclass(frozen=True)
@@ -93,26 +116,46 @@ class OffloadConfig:
     scheduler_block_size: int = field(init=False)
 
     def __post_init__(self) -> None:
-        _require_positive_int("gpu_blocks", self.gpu_blocks)
-        _require_positive_int("cpu_blocks", self.cpu_blocks)
-        _require_positive_int("hash_block_size", self.hash_block_size)
-        _require_positive_int("world_size", self.world_size)
+        # The bounds first: nothing below is computed from a size past them.
+        _require_positive_int("gpu_blocks", self.gpu_blocks, MAX_BLOCKS, "MAX_BLOCKS")
+        _require_positive_int("cpu_blocks", self.cpu_blocks, MAX_BLOCKS, "MAX_BLOCKS")
+        _require_positive_int(
+            "hash_block_size", self.hash_block_size, MAX_BLOCK_TOKENS, "MAX_BLOCK_TOKENS"
+        )
+        _require_positive_int("world_size", self.world_size, MAX_WORLD_SIZE, "MAX_WORLD_SIZE")
+        _require_positive_int(
+            "dcp_world_size", self.dcp_world_size, MAX_WORLD_SIZE, "MAX_WORLD_SIZE"
+        )
         if not isinstance(self.lazy, bool):
-            raise ConfigError(f"lazy must be a bool, got {self.lazy!r}")
+            raise ConfigError(f"lazy must be a bool, got {brief(self.lazy)}")
         if not isinstance(self.kv_events, bool):
-            raise ConfigError(f"kv_events must be a bool, got {self.kv_events!r}")
+            raise ConfigError(f"kv_events must be a bool, got {brief(self.kv_events)}")
+        self._copy_per_group()
         sizes = self.group_block_sizes
         if not isinstance(sizes, tuple) or not sizes:
-            raise ConfigError(f"group_block_sizes must be a non-empty tuple, got {sizes!r}")
+            raise ConfigError(f"group_block_sizes must be a non-empty tuple, got {brief(sizes)}")
+        if len(sizes) > MAX_GROUPS:
+            raise ConfigError(
+                f"group_block_sizes names {len(sizes)} groups; at most {MAX_GROUPS} (MAX_GROUPS)"
+            )
         for g, size in enumerate(sizes):
-            _require_positive_int(f"group_block_sizes[{g}]", size)
+            _require_positive_int(
+                f"group_block_sizes[{g}]", size, MAX_BLOCK_TOKENS, "MAX_BLOCK_TOKENS"
+            )
             if size % self.hash_block_size != 0:
                 raise ConfigError(
                     f"hash_block_size {self.hash_block_size} does not divide "
                     f"group {g}'s block size {size}"
                 )
         self._check_windows()
-        object.__setattr__(self, "scheduler_block_size", math.lcm(*sizes))
+        # At most MAX_GROUPS sizes of at most MAX_BLOCK_TOKENS each: a cheap lcm.
+        scheduler_block_size = math.lcm(*sizes)
+        if scheduler_block_size > MAX_BLOCK_TOKENS:
+            raise ConfigError(
+                f"the scheduler block size {scheduler_block_size} (the least common multiple "
+                f"of group_block_sizes {sizes}) must be <= {MAX_BLOCK_TOKENS} (MAX_BLOCK_TOKENS)"
+            )
+        object.__setattr__(self, "scheduler_block_size", scheduler_block_size)
         self._check_chunks()
         self._check_mamba()
         if not any(self.full_attention(g) for g in range(self.num_groups)):
@@ -121,12 +164,23 @@ class OffloadConfig:
             )
         self._check_dcp()
 
+    def _copy_per_group(self) -> None:
+        """Each per-group field that is a tuple, replaced by a plain tuple of its items taken
+        in one pass, so that the checks below and every later reader see the same items (a
+        tuple subclass may iterate otherwise each time). No more than one past
+        ``MAX_GROUPS`` items are taken, a copy cut there being refused as too many groups. A
+        field that is no tuple is left for its check to refuse."""
+        for name in _PER_GROUP:
+            values = getattr(self, name)
+            if isinstance(values, tuple) and type(values) is not tuple:
+                object.__setattr__(self, name, tuple(itertools.islice(values, MAX_GROUPS + 1)))
+
     def _check_per_group(self, name: str) -> tuple[int | None, ...]:
         """``name`` (a field naming an int or None per group) is a tuple, empty or of one
         entry per group, each a positive int or None."""
         values = getattr(self, name)
         if not isinstance(values, tuple):
-            raise ConfigError(f"{name} must be a tuple, got {values!r}")
+            raise ConfigError(f"{name} must be a tuple, got {brief(values)}")
         if values and len(values) != len(self.group_block_sizes):
             raise ConfigError(
                 f"{name} names {len(values)} groups, group_block_sizes "
@@ -134,7 +188,7 @@ class OffloadConfig:
             )
         for g, value in enumerate(values):
             if value is not None:
-                _require_positive_int(f"{name}[{g}]", value)
+                _require_positive_int(f"{name}[{g}]", value, MAX_BLOCK_TOKENS, "MAX_BLOCK_TOKENS")
         return values
 
     def _check_windows(self) -> None:
@@ -165,14 +219,14 @@ class OffloadConfig:
     def _check_mamba(self) -> None:
         mamba = self.mamba
         if not isinstance(mamba, tuple):
-            raise ConfigError(f"mamba must be a tuple, got {mamba!r}")
+            raise ConfigError(f"mamba must be a tuple, got {brief(mamba)}")
         if mamba and len(mamba) != self.num_groups:
             raise ConfigError(
                 f"mamba names {len(mamba)} groups, group_block_sizes {self.num_groups}"
             )
         for g, flag in enumerate(mamba):
             if not isinstance(flag, bool):
-                raise ConfigError(f"mamba[{g}] must be a bool, got {flag!r}")
+                raise ConfigError(f"mamba[{g}] must be a bool, got {brief(flag)}")
             if not flag:
                 continue
             if self.window(g) is not None or self.chunk(g) is not None:
@@ -200,8 +254,7 @@ class OffloadConfig:
                 )
 
     def _check_dcp(self) -> None:
-        dcp = self.dcp_world_size
-        _require_positive_int("dcp_world_size", dcp)
+        dcp = self.dcp_world_size  # an int in range: checked first
         if dcp == 1:
             return
         if self.world_size % dcp:

@@ -4,6 +4,12 @@
 raises a :class:`~kvoffload.model.errors.KVOffloadError` naming the problem and leaves
 the state unchanged. With ``check=True`` every call ends with ``check()`` of all
 invariants.
+
+Invariants kept: INPUT (``docs/spec.md``: every call is checked by
+:mod:`kvoffload.model.validate` in full before the engine sees it, a sequence taken once and
+the taken tuple used, an id a str before it is looked up, every size within
+:mod:`kvoffload.model.limits`); the implementation (``kvoffload.impl.OffloadImpl``) takes
+the very same calls, with the same signatures (``tests/test_driver_parity.py``).
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from kvoffload.model.errors import (
 )
 from kvoffload.model.invariants import check
 from kvoffload.model.keys import prefix_digests
+from kvoffload.model.limits import brief
 from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.observe import take_snapshot
 from kvoffload.model.snapshot import Snapshot
@@ -30,6 +37,9 @@ from kvoffload.model.validate import (
     require_int,
     require_live_request,
     require_new_request,
+    require_request_id,
+    require_resettable,
+    require_token_budget,
     require_tokens,
 )
 from kvoffload.model.variants import VARIANTS, is_variant, scheduler_class
@@ -50,7 +60,7 @@ class OffloadModel:
         registration; none by default, all in
         :data:`~kvoffload.model.engine.VLLM_SCHEDULING`)."""
         if not is_variant(variant):
-            raise ConfigError(f"unknown variant {variant!r}; known: {sorted(VARIANTS)}")
+            raise ConfigError(f"unknown variant {brief(variant)}; known: {sorted(VARIANTS)}")
         self.config = config
         self.variant = variant
         self.engine = Engine(config, scheduler_class(variant), scheduling)
@@ -85,7 +95,7 @@ class OffloadModel:
 
     def step(self, token_budget: int) -> StepResult:
         """One engine step with at most ``token_budget`` tokens computed."""
-        require_int("token_budget", token_budget, 0)
+        require_token_budget(token_budget)
         self._begin()
         result = self.engine.step(token_budget)
         self._end()
@@ -204,12 +214,7 @@ class OffloadModel:
         (vLLM preempts, then raises)."""
         flag = require_flag("reset_connector", reset_connector)
         running = require_flag("reset_running_requests", reset_running_requests)
-        kept = self.engine.blocks_kept_from_reset() if running else []
-        if kept:
-            raise InvalidArgumentError(
-                f"reset_prefix_cache(reset_running_requests=True) cannot free GPU blocks {kept}: "
-                "a load or a transfer holds them, and vLLM raises once it has preempted"
-            )
+        require_resettable(self.engine.blocks_kept_from_reset() if running else [])
         self._begin()
         result = self.engine.reset_prefix_cache(flag, running)
         self._end()
@@ -240,7 +245,7 @@ class OffloadModel:
         elif kind == "load":
             counter, table = self.engine.connector.load_event_counter, self._load_reports
         else:
-            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {kind!r}")
+            raise InvalidArgumentError(f"kind must be 'store' or 'load', got {brief(kind)}")
         return owed_completions(self.config, counter, table)
 
     def snapshot(self) -> Snapshot:
@@ -258,12 +263,15 @@ class OffloadModel:
     # -- validation -------------------------------------------------------------------------
 
     def _known_live_request(self, request_id: str) -> None:
-        req = self.engine.requests.get(request_id)
+        req = self.engine.requests.get(require_request_id(request_id))
         require_live_request(request_id, None if req is None else req.status)
 
     def _completion(
         self, kind: str, event: int, worker: int, counter: int, table: dict[int, set[int]]
     ) -> set[int]:
+        # The event is looked up in the table: an int first (the first check the contract
+        # makes, so the same message), never an unhashable value raising TypeError.
+        require_int("event", event, 0)
         require_completion(self.config, kind, event, worker, counter, table.get(event, set()))
         reports = table.setdefault(event, set())
         return reports

@@ -9,7 +9,6 @@ import json
 import multiprocessing
 import random
 import re
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -25,14 +24,16 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import FAULTS
+from kvoffload.isolation import spawning_safely
 from kvoffload.model import OffloadModel
 from kvoffload.model.config import OffloadConfig
-from kvoffload.model.errors import ConfigError, SetupError
+from kvoffload.model.errors import ConfigError
 from kvoffload.model.invariants import CHECKS
-from kvoffload.testing import profiles
+from kvoffload.progress import Progress
+from kvoffload.testing import profiles, replaying
 from kvoffload.testing.adapters import adapters, default_adapter
-from kvoffload.testing.failure import Failure, load, save, validate
-from kvoffload.testing.lockstep import Call, disagreement, first_disagreement, outcome
+from kvoffload.testing.failure import Failure, load, model_broke, save, validate
+from kvoffload.testing.lockstep import Call, disagreement, outcome
 from kvoffload.testing.reduce import kind, reduce_program, replay
 from kvoffload.testing.stateful import (
     SETTLE_MAX_BUDGET,
@@ -58,6 +59,11 @@ class CampaignResult:
     failure: dict[str, Any] | None
     seed: int | None = None  # the seed of the batch that failed, or of the first batch
     saved: Path | None = None  # where the failure was saved
+
+    @property
+    def broken_invariant(self) -> str | None:
+        """The invariant the model itself broke on the failure's program, or None."""
+        return None if self.failure is None else model_broke(self.failure["disagreement"])
 
     @property
     def shrunk_steps(self) -> int | None:
@@ -100,6 +106,14 @@ def run_campaign(
     if seed is None and not batch.derandomize:
         seed = random.getrandbits(32)
     used = seed
+    shown = Progress() if progress else None
+    if shown is not None:
+        # a line per program as it ends (at most one per Progress.every in a log): a batch of
+        # the ci profile is a thousand programs, minutes without a word otherwise
+        recorder.on_program = lambda rec: shown.update(
+            f"{adapter}: {rec.programs} programs, {rec.steps} steps, "
+            f"{time.perf_counter() - start:.0f} s"
+        )
     for n in itertools.count():
         if seed is not None:
             used = seed + n
@@ -114,20 +128,17 @@ def run_campaign(
             if failure is None:
                 raise
         elapsed = time.perf_counter() - start
-        if progress:
-            print(
-                f"\r{adapter}: {recorder.programs} programs, {recorder.steps} steps, "
-                f"{elapsed:.0f} s",
-                end="",
-                file=sys.stderr,
-                flush=True,
+        if shown is not None:
+            shown.update(
+                f"{adapter}: {recorder.programs} programs, {recorder.steps} steps, {elapsed:.0f} s"
             )
         if failure is not None or seconds is None or elapsed >= seconds:
             break
         if stop is not None and stop():
             break
-    if progress:
-        print(file=sys.stderr)
+    if shown is not None:
+        shown.done()
+        recorder.on_program = None  # a result crosses processes (the matrix's): no closure
     saved = None
     if failure is not None:
         record = reduced(machine, validate(failure | {"seed": used}))
@@ -140,7 +151,8 @@ def run_campaign(
         recorder.first_failure,
         recorder,
         failure,
-        used,
+        # a failure's batch reruns from its own seed; a clean run from the first batch's
+        used if failure is not None else seed,
         saved,
     )
 
@@ -158,7 +170,9 @@ def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
         return lambda calls: disagreement(machine.adapter, machine.variant, config, calls)
 
     config, program, found = simplest(failure.config, list(failure.program), disagrees)
-    if found is None:
+    if found is None or model_broke(found) != failure.broken_invariant:
+        # (a verdict's class is kept: a model that broke an invariant stays one, and a
+        # difference stays a difference, whatever a replay of another kind shows)
         return failure
     program, found, rules = regrouped(machine, config, program, found, disagrees(config))
     return replace(
@@ -233,7 +247,7 @@ def regrouped(
 
 def _call_index(found: str) -> int | None:
     """The index of the call a difference names (``call N (...)``), if it names one."""
-    match = re.match(r"call (\d+) ", found)
+    match = re.match(r"(?:the model broke \S+ at )?call (\d+) ", found)
     return int(match.group(1)) if match else None
 
 
@@ -302,7 +316,10 @@ def mutation_matrix(
     # copies none of them (a child would wait on a stream nobody serves).
     context = multiprocessing.get_context("spawn")
     results: dict[str, CampaignResult] = {}
-    with ProcessPoolExecutor(min(jobs, len(faults)), mp_context=context) as pool:
+    with (
+        spawning_safely(),
+        ProcessPoolExecutor(min(jobs, len(faults)), mp_context=context) as pool,
+    ):
         running = {pool.submit(_fault_campaign, name, profile_name): name for name in faults}
         for done in as_completed(running):
             result = done.result()
@@ -390,6 +407,7 @@ def run_verify(
     result = run_campaign(adapter, profile, seconds=seconds, progress=True, seed=seed)
     print_result(result, f"conformance of {adapter}: ")
     ok = result.conforms
+    broken = result.broken_invariant
     matrix = None
     if mutants:
         name = matrix_profile(profile_name)
@@ -397,7 +415,8 @@ def run_verify(
         print(f"\nmutation matrix ({name} profile):\n" + mutation_table(matrix))
         print(matrix_verdict(matrix))
         ok = ok and matrix_meets_targets(matrix)
-    status = 0 if ok else 1
+    # The model breaking its own invariant is no verdict on the target: exit status 3.
+    status = 3 if broken else 0 if ok else 1
     if json_path:
         document = report(result, profile_name or profiles.chosen(), matrix, status)
         Path(json_path).write_text(json.dumps(document, indent=1) + "\n")
@@ -417,7 +436,11 @@ def report(
     return {
         "target": result.adapter,
         "profile": profile_name,
-        "verdict": "conforms" if result.conforms else "disagrees",
+        "verdict": "conforms"
+        if result.conforms
+        else "disagrees"
+        if result.broken_invariant is None
+        else f"the model broke {result.broken_invariant}",
         "exit_status": status,
         "seconds": round(result.seconds, 3),
         "seed": result.seed,
@@ -430,25 +453,38 @@ def report(
         "failure": None if failure is None else failure.to_dict(),
         "reproducer": None if failure is None else failure.reproducer(),
         "saved": None if result.saved is None else str(result.saved),
-        "mutation_matrix": None
-        if matrix is None
-        else [
-            {
-                "fault": r.adapter.removeprefix("fault:"),
-                "found": not r.conforms,
-                "seconds_to_first_failure": r.first_failure,
-                "shrunk_rules": r.shrunk_steps,
-                "shrunk_calls": r.shrunk_calls,
-            }
-            for r in matrix
-        ],
+        "mutation_matrix": None if matrix is None else matrix_report(matrix),
     }
+
+
+def matrix_report(matrix: list[CampaignResult]) -> list[dict[str, Any]]:
+    """The mutation matrix as JSON: per fault, whether it was found, how soon, how short."""
+    return [
+        {
+            "fault": r.adapter.removeprefix("fault:"),
+            "found": not r.conforms,
+            "seconds_to_first_failure": r.first_failure,
+            "first_failing_program": r.recorder.first_failing_program,
+            "shrunk_rules": r.shrunk_steps,
+            "shrunk_calls": r.shrunk_calls,
+            "first_difference": None if r.failure is None else r.failure["disagreement"],
+            "saved": None if r.saved is None else str(r.saved),
+        }
+        for r in matrix
+    ]
 
 
 def print_result(result: CampaignResult, label: str = "", where: str = "") -> None:
     """The verdict, the coverage, the seed, and a failure with its reproducer (to run
     ``where``) and the file it was saved to."""
-    print(label + ("conforms" if result.conforms else "DISAGREES"))
+    if result.broken_invariant is not None:
+        verdict = (
+            f"the model broke {result.broken_invariant}: a bug of the specification, not a "
+            "verdict on the target (exit status 3)"
+        )
+    else:
+        verdict = "conforms" if result.conforms else "DISAGREES"
+    print(label + verdict)
     print(coverage(result.recorder))
     print(seed_line(result))
     if result.failure is not None:
@@ -487,14 +523,28 @@ def matrix_verdict(matrix: list[CampaignResult]) -> str:
     )
 
 
-def run_mutants(profile_name: str | None, write: str | None, jobs: int = 1) -> int:
+def run_mutants(
+    profile_name: str | None, write: str | None, jobs: int = 1, json_path: str | None = None
+) -> int:
+    """``kvoffload mutants``: 0 when every fault is found within the targets, else 1; the
+    table printed, the catalogue page written to ``write``, the matrix as JSON to
+    ``json_path``."""
     name = matrix_profile(profile_name)
     matrix = mutation_matrix(name, progress=True, jobs=jobs)
     print(mutation_table(matrix))
     print(matrix_verdict(matrix))
     if write:
         Path(write).write_text(bugs_page(matrix, name))
-    return 0 if matrix_meets_targets(matrix) else 1
+    status = 0 if matrix_meets_targets(matrix) else 1
+    if json_path:
+        document = {
+            "profile": name,
+            "exit_status": status,
+            "verdict": matrix_verdict(matrix),
+            "faults": matrix_report(matrix),
+        }
+        Path(json_path).write_text(json.dumps(document, indent=1) + "\n")
+    return status
 
 
 def bugs_page(matrix: list[CampaignResult], profile_name: str) -> str:
@@ -551,52 +601,37 @@ def describe(call: list[Any]) -> str:
     return f"{name}({', '.join(map(repr, args))})"
 
 
-def run_replay(path: str, output: str | None = None, run: bool = False) -> int:
+def run_replay(
+    path: str,
+    output: str | None = None,
+    run: bool = False,
+    target: str | None = None,
+    html: str | None = None,
+) -> int:
     """``kvoffload replay``: the saved failure at ``path`` as a pytest file (printed, and
-    written to ``output``), or with ``run`` the failure's program driven again (0 when it
-    conforms now, 1 while it disagrees). The file is validated before anything is written
-    or run (:mod:`kvoffload.testing.failure`)."""
+    written to ``output``); or with ``run`` (or ``html``, a page of the run to write) the
+    failure's program driven again on the target it failed on, or on ``target``
+    (:mod:`kvoffload.testing.replaying`): 0 when it conforms now, 1 while it disagrees, 3
+    while the model breaks an invariant on it. The file is validated before anything is
+    written or run (:mod:`kvoffload.testing.failure`)."""
     failure = load(path)
-    if run:
-        return replay_program(failure, path)
-    text = failure.regression_test()
-    if output:
-        Path(output).write_text(text)
-    print(text)
-    return 0
-
-
-def replay_program(failure: Failure, path: str) -> int:
-    """Drive the failure's program again, here, or for vLLM in its release's environment."""
-    if failure.adapter == "vllm" and "vllm" not in adapters():
-        return _replay_in_release(failure, path)
-    if failure.adapter not in adapters():
-        raise SetupError(f"the target {failure.adapter} is not available here")
-    found = first_disagreement(
-        failure.config,
-        failure.program,
-        failure.faults,
-        "cuda" if failure.adapter == "impl-cuda" else "cpu",
-        adapter="vllm" if failure.adapter == "vllm" else None,
-        variant=failure.variant,
-    )
-    print(found or f"conforms: the program of {path} no longer disagrees")
-    return 0 if found is None else 1
-
-
-def _replay_in_release(failure: Failure, path: str) -> int:
-    from kvoffload.upstream.install import Cache, default_cache
-
-    if not failure.release:
-        raise SetupError(
-            f"{path} holds a vLLM failure without its release: run `kvoffload replay --run` "
-            "in the environment of the release it came from"
-        )
-    cache = Cache(default_cache())
-    if not cache.installed(failure.release):
-        raise ConfigError(
-            f"{path} came from vllm=={failure.release}, which is not installed; run "
-            f"`kvoffload install vllm=={failure.release}` first"
-        )
-    command = [str(cache.python), "-m", "kvoffload", "replay", "--run", str(Path(path).absolute())]
-    return subprocess.run(command, env=cache.environment(failure.release), check=False).returncode
+    if not (run or html):
+        if target is not None:
+            raise ConfigError("--target says where to replay: it goes with --run or --html")
+        text = failure.regression_test()
+        if output:
+            Path(output).write_text(text)
+        print(text)
+        return 0
+    outcome = replaying.replay(failure, target, None if html is None else Path(html))
+    if html is not None:
+        print(f"the page of the run on {outcome.label}: {html}")
+    if outcome.found is None:
+        print(f"no longer disagrees on {outcome.label}: the program of {path} conforms")
+        return 0
+    invariant = model_broke(outcome.found)
+    if invariant is not None:
+        print(f"the model still breaks {invariant} on the program of {path}:\n{outcome.found}")
+        return 3
+    print(f"still disagrees on {outcome.label}:\n{outcome.found}")
+    return 1

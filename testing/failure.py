@@ -14,24 +14,36 @@ Invariants kept:
   :class:`FailureFileError` naming the first problem otherwise.
 - LITERALS: the text of :meth:`Failure.reproducer` and :meth:`Failure.regression_test` is
   built from ``repr`` of validated values and fixed source only.
-- ONE FILE PER CHECK: :func:`save` keeps one file per target, release and model variant, so
-  that the checks of one release (or two targets) never overwrite each other's failures.
+- ONE FILE PER CHECK: :func:`save` keeps one file per target (a release, a tree by the digest
+  of its sources, an environment by vLLM's version and folder), model variant and kind of
+  verdict, so that the checks of one release, two trees or two targets never overwrite each
+  other's failures.
+- BOUNDED: a file is read with a cap (:data:`~kvoffload.model.limits.MAX_FAILURE_BYTES`) and
+  its program has at most :data:`~kvoffload.model.limits.MAX_PROGRAM_CALLS` calls; every
+  value an error names is cut (:func:`~kvoffload.model.limits.brief`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvoffload.isolation import failures_folder
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, KVOffloadError
+from kvoffload.model.limits import MAX_FAILURE_BYTES, MAX_PROGRAM_CALLS, brief
 from kvoffload.model.variants import VARIANTS, is_variant
 
-FAILURES = Path(".hypothesis/kvoffload-failures")
 FORMAT = 1
+# What a failure shows: the target differs from the model, or the model itself broke one of
+# its invariants on the program (a bug of the specification: exit status 3).
+DIFFERS, MODEL_BROKE = "differs", "model-broke-invariant"
+# How a difference names a broken invariant of the model (kvoffload.testing.lockstep).
+MODEL_BROKE_WORDS = "the model broke "
 
 # Driver calls (``kvoffload.testing.lockstep``) and the types of their arguments: "int",
 # "str", "ints" (a list of ints), or "flag" (a bool, or an int: what a misuse sends in its
@@ -44,7 +56,7 @@ CALLS: dict[str, tuple[str, ...]] = {
     "store": ("int", "int"),
     "load": ("int", "int"),
     "reset": (),
-    "reset_prefix_cache": ("flag",),
+    "reset_prefix_cache": ("flag", "flag?"),
     "lookup": ("ints",),
     "stats": (),
     "drain": (),
@@ -76,6 +88,22 @@ CONFIG_DEFAULTS: dict[str, Any] = {
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")
+# A target's identity (kvoffload.upstream.targets.VllmTarget.identity): a release, a tree by
+# its absolute folder and the digest of its sources, or the vLLM of an environment.
+_TARGET_KINDS = {"release": (), "tree": ("path", "digest"), "current": ("path",)}
+_DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
+_MAX_PATH = 4096
+_INVARIANT = re.compile(r"[A-Z][A-Z0-9+-]{0,39}")
+
+
+def model_broke(found: str) -> str | None:
+    """The invariant a difference says the model broke (``the model broke NAME at call N
+    ...``: at the start, where no call's arguments can put it), or None for a difference
+    between the model and the target (``call N ...``)."""
+    if not found.startswith(MODEL_BROKE_WORDS):
+        return None
+    name = found.removeprefix(MODEL_BROKE_WORDS).split(" ", 1)[0]
+    return name if _INVARIANT.fullmatch(name) else None
 
 
 class FailureFileError(KVOffloadError, ValueError):
@@ -94,6 +122,28 @@ class Failure:
     disagreement: str
     release: str | None = None
     seed: int | None = None
+    # vLLM's failures: the target exactly (kvoffload.upstream.targets.VllmTarget.identity)
+    target: dict[str, str] | None = None
+
+    @property
+    def broken_invariant(self) -> str | None:
+        """The invariant the model itself broke on the program, or None (a difference)."""
+        return model_broke(self.disagreement)
+
+    @property
+    def verdict(self) -> str:
+        """:data:`DIFFERS`, or :data:`MODEL_BROKE` when the model broke an invariant."""
+        return DIFFERS if self.broken_invariant is None else MODEL_BROKE
+
+    @property
+    def target_identity(self) -> dict[str, str] | None:
+        """The vLLM target it failed on: as recorded, or for a file written before targets
+        were recorded, the release it names."""
+        if self.target is not None:
+            return self.target
+        if self.adapter == "vllm" and self.release:
+            return {"kind": "release", "version": self.release}
+        return None
 
     # -- the wire form ----------------------------------------------------------------
 
@@ -103,6 +153,8 @@ class Failure:
             "adapter": self.adapter,
             "variant": self.variant,
             "release": self.release,
+            "target": self.target,
+            "verdict": self.verdict,
             "seed": self.seed,
             "config": {name: _plain(getattr(self.config, name)) for name in CONFIG_FIELDS},
             "program": [list(call) for call in self.program],
@@ -116,8 +168,19 @@ class Failure:
 
     @property
     def file_name(self) -> str:
-        """``ADAPTER[-RELEASE]-VARIANT.json``, in characters safe in any file system."""
-        parts = [self.adapter, self.release, self.variant]
+        """``ADAPTER[-TARGET]-VARIANT[-model-broke].json``, in characters safe in any file
+        system; ``TARGET`` is a release's version, ``tree-DIGEST`` for a tree (the first
+        hex digits of its sources' digest), ``env-VERSION-H`` for an environment (``H`` from
+        its folder): one file per target, never another target's."""
+        where: str | None = self.release
+        identity = self.target_identity
+        if identity is not None and identity["kind"] == "tree":
+            where = "tree-" + identity.get("digest", "sha256:unknown").removeprefix("sha256:")[:12]
+        elif identity is not None and identity["kind"] == "current":
+            place = hashlib.sha256(identity.get("path", "").encode()).hexdigest()[:8]
+            where = f"env-{identity.get('version') or 'unknown'}-{place}"
+        kind = "model-broke" if self.verdict == MODEL_BROKE else None
+        parts = [self.adapter, where, self.variant, kind]
         return _SAFE_NAME.sub("-", "-".join(p for p in parts if p)) + ".json"
 
     # -- programs made from it --------------------------------------------------------
@@ -138,12 +201,21 @@ class Failure:
         return f"faults={self.faults!r}, device={device!r}"
 
     def where(self) -> str:
-        """Where the program must run: vLLM's failures in their release's environment."""
+        """Where the program must run: vLLM's failures with their target's code."""
         if self.adapter != "vllm":
             return ""
-        release = f"vllm=={self.release}" if self.release else "the vLLM release it came from"
+        identity = self.target_identity
+        if identity is None:
+            on = "the vLLM release it came from"
+        elif identity["kind"] == "release":
+            on = f"vllm=={identity['version']}"
+        elif identity["kind"] == "tree":
+            on = "the vLLM tree at " + identity["path"]
+        else:
+            on = "the vLLM of the environment at " + identity["path"]
+        # (a tree's folder is a validated path without line breaks: it stays in the comment)
         return (
-            f"# In the environment of {release} (`kvoffload replay --run FILE` runs it there\n"
+            f"# In the environment of {on} (`kvoffload replay --run FILE` runs it there\n"
             "# for you, FILE being this failure's JSON file).\n"
         )
 
@@ -161,13 +233,15 @@ class Failure:
         """A pytest file that fails while the disagreement is there."""
         name = "test_regression_" + re.sub(r"\W+", "_", self.adapter).strip("_")
         summary = f"Regression from a saved conformance failure of {self.adapter}:\n"
+        if self.adapter == "vllm":
+            return self._vllm_regression_test(name, summary)
         imports = (
             "from kvoffload.model import OffloadConfig\n"
             "from kvoffload.testing.lockstep import first_disagreement\n"
         )
         skip = ""
-        # impl-cuda needs a GPU, vllm its release's environment: elsewhere the test skips.
-        if self.adapter in ("impl-cuda", "vllm"):
+        # impl-cuda needs a GPU: elsewhere the test skips.
+        if self.adapter == "impl-cuda":
             imports = (
                 "import pytest\n\n"
                 "from kvoffload.model import OffloadConfig\n"
@@ -186,6 +260,23 @@ class Failure:
             f"def {name}() -> None:\n"
             + skip
             + f"    found = first_disagreement(CONFIG, PROGRAM, {self._target_source()})\n"
+            "    assert found is None, found\n"
+        )
+
+    def _vllm_regression_test(self, name: str, summary: str) -> str:
+        """vLLM's failure as a pytest file for any environment kvoffload is installed in:
+        the failure's program replayed on its own target (the release or tree in the
+        cache's environment, :mod:`kvoffload.testing.replaying`), or a skip saying in one
+        line what is missing. The failure is held as the text of its JSON (a literal)."""
+        text = json.dumps(self.to_dict(), sort_keys=True)
+        return (
+            f"{_literal(summary + self.disagreement)}\n\n"
+            "import json\n\n"
+            "from kvoffload.testing.failure import validate\n"
+            "from kvoffload.testing.replaying import replay_or_skip\n\n"
+            f"FAILURE = validate(json.loads({_literal(text)}))\n\n\n"
+            f"def {name}() -> None:\n"
+            "    found = replay_or_skip(FAILURE)\n"
             "    assert found is None, found\n"
         )
 
@@ -224,27 +315,27 @@ def _is_int(value: object) -> bool:
 def _check_argument(kind: str, value: object, where: str) -> object:
     kind = kind.removesuffix("?")
     if kind == "flag":
-        _expect(isinstance(value, int), f"{where} must be a bool or an int, got {value!r}")
+        _expect(isinstance(value, int), f"{where} must be a bool or an int, got {brief(value)}")
         return value
     if kind == "int":
-        _expect(_is_int(value), f"{where} must be an int, got {value!r}")
+        _expect(_is_int(value), f"{where} must be an int, got {brief(value)}")
         return value
     if kind == "str":
-        _expect(isinstance(value, str), f"{where} must be a string, got {value!r}")
+        _expect(isinstance(value, str), f"{where} must be a string, got {brief(value)}")
         return value
     if not (isinstance(value, list) and all(_is_int(v) for v in value)):
-        raise FailureFileError(f"{where} must be a list of ints, got {value!r}")
+        raise FailureFileError(f"{where} must be a list of ints, got {brief(value)}")
     return list(value)
 
 
 def _check_call(n: int, call: object) -> tuple[Any, ...]:
     _expect(
         isinstance(call, list) and bool(call) and isinstance(call[0], str),
-        f"program[{n}] must be a list starting with a call name, got {call!r}",
+        f"program[{n}] must be a list starting with a call name, got {brief(call)}",
     )
     assert isinstance(call, list)
     name, *args = call
-    _expect(name in CALLS, f"program[{n}]: unknown call {name!r}; known: {sorted(CALLS)}")
+    _expect(name in CALLS, f"program[{n}]: unknown call {brief(name)}; known: {sorted(CALLS)}")
     kinds = CALLS[name]
     required = sum(1 for kind in kinds if not kind.endswith("?"))
     takes = str(required) if required == len(kinds) else f"{required} to {len(kinds)}"
@@ -264,14 +355,14 @@ def _check_call(n: int, call: object) -> tuple[Any, ...]:
 def _check_adapter(adapter: object) -> str:
     from kvoffload.impl.faults import FAULTS
 
-    _expect(isinstance(adapter, str), f"adapter must be a string, got {adapter!r}")
+    _expect(isinstance(adapter, str), f"adapter must be a string, got {brief(adapter)}")
     assert isinstance(adapter, str)
     known = adapter in ("impl", "impl-cuda", "vllm") or (
         adapter.startswith("fault:") and adapter.removeprefix("fault:") in FAULTS
     )
     _expect(
         known,
-        f"unknown adapter {adapter!r}; known: impl, impl-cuda, vllm, fault:NAME with NAME in "
+        f"unknown adapter {brief(adapter)}; known: impl, impl-cuda, vllm, fault:NAME with NAME in "
         f"{sorted(FAULTS)}",
     )
     return adapter
@@ -279,13 +370,13 @@ def _check_adapter(adapter: object) -> str:
 
 def _check_fields(data: dict[str, Any], allowed: set[str], required: list[str], what: str) -> None:
     extra = sorted(set(data) - allowed)
-    _expect(not extra, f"{what}unknown fields {extra}")
+    _expect(not extra, f"{what}unknown fields {brief(extra)}")
     missing = [name for name in required if name not in data]
     _expect(not missing, f"{what}missing fields {missing}")
 
 
 def _check_config(config: object) -> OffloadConfig:
-    _expect(isinstance(config, dict), f"config must be an object, got {config!r}")
+    _expect(isinstance(config, dict), f"config must be an object, got {brief(config)}")
     assert isinstance(config, dict)
     required = [name for name in CONFIG_FIELDS if name not in CONFIG_DEFAULTS]
     _check_fields(config, {*CONFIG_FIELDS, "scheduler_block_size"}, required, "config: ")
@@ -293,28 +384,30 @@ def _check_config(config: object) -> OffloadConfig:
     sizes = config["group_block_sizes"]
     _expect(
         isinstance(sizes, list) and all(_is_int(s) for s in sizes),
-        f"config group_block_sizes must be a list of ints, got {sizes!r}",
+        f"config group_block_sizes must be a list of ints, got {brief(sizes)}",
     )
     for name in CONFIG_FIELDS:
         if name in ("lazy", "kv_events"):
             _expect(
                 isinstance(config[name], bool),
-                f"config {name} must be a bool, got {config[name]!r}",
+                f"config {name} must be a bool, got {brief(config[name])}",
             )
         elif name in ("sliding_windows", "attention_chunks"):
             per_group = config[name]
             _expect(
                 isinstance(per_group, list) and all(w is None or _is_int(w) for w in per_group),
-                f"config {name} must be a list of ints or nulls, got {per_group!r}",
+                f"config {name} must be a list of ints or nulls, got {brief(per_group)}",
             )
         elif name == "mamba":
             flags = config[name]
             _expect(
                 isinstance(flags, list) and all(isinstance(f, bool) for f in flags),
-                f"config mamba must be a list of bools, got {flags!r}",
+                f"config mamba must be a list of bools, got {brief(flags)}",
             )
         elif name != "group_block_sizes":
-            _expect(_is_int(config[name]), f"config {name} must be an int, got {config[name]!r}")
+            _expect(
+                _is_int(config[name]), f"config {name} must be an int, got {brief(config[name])}"
+            )
     try:
         built = OffloadConfig(
             config["gpu_blocks"],
@@ -334,45 +427,92 @@ def _check_config(config: object) -> OffloadConfig:
     derived = config.get("scheduler_block_size", built.scheduler_block_size)
     _expect(
         derived == built.scheduler_block_size,
-        f"config scheduler_block_size {derived!r} is not the LCM of the group block sizes "
+        f"config scheduler_block_size {brief(derived)} is not the LCM of the group block sizes "
         f"({built.scheduler_block_size})",
     )
     return built
+
+
+def _check_target(target: object, adapter: str, release: str | None) -> dict[str, str] | None:
+    """A vLLM failure's target identity: a release (its version), a tree (its absolute
+    folder, the digest of its sources), or an environment (vLLM's version and folder)."""
+    if target is None:
+        return None
+    _expect(adapter == "vllm", f"target names a vLLM target, but the adapter is {adapter!r}")
+    _expect(isinstance(target, dict), f"target must be an object, got {brief(target)}")
+    assert isinstance(target, dict)
+    kind = target.get("kind")
+    _expect(kind in _TARGET_KINDS, f"target kind must be one of {sorted(_TARGET_KINDS)}")
+    assert isinstance(kind, str)
+    _check_fields(target, {"kind", "version", *_TARGET_KINDS[kind]}, ["kind"], "target: ")
+    version = target.get("version")
+    _expect(
+        version is None or (isinstance(version, str) and _RELEASE.fullmatch(version) is not None),
+        f"target version must be a version such as 0.34.0 or null, got {brief(version)}",
+    )
+    _expect(kind != "release" or version is not None, "a release target needs its version")
+    _expect(
+        kind != "release" or release in (None, version),
+        f"target version {version!r} is not the failure's release {release!r}",
+    )
+    path = target.get("path")
+    if "path" in _TARGET_KINDS[kind]:
+        _expect(
+            isinstance(path, str)
+            and 0 < len(path) <= _MAX_PATH
+            and path.startswith("/")
+            and path.isprintable(),
+            f"target path must be an absolute folder name, got {brief(path)}",
+        )
+    digest = target.get("digest")
+    if kind == "tree":
+        _expect(
+            isinstance(digest, str) and _DIGEST.fullmatch(digest) is not None,
+            f"target digest must be sha256: and 64 hex digits, got {brief(digest)}",
+        )
+    return {k: v for k, v in target.items() if v is not None}
 
 
 def validate(data: object) -> Failure:
     """The failure ``data`` holds, or :class:`FailureFileError` naming what is wrong."""
     _expect(isinstance(data, dict), f"a failure must be a JSON object, got {type(data).__name__}")
     assert isinstance(data, dict)
-    known = {"format", "adapter", "variant", "release", "seed", "config", "program"}
-    known |= {"rule_steps", "disagreement"}
+    known = {"format", "adapter", "variant", "release", "target", "verdict", "seed", "config"}
+    known |= {"program", "rule_steps", "disagreement"}
     _check_fields(data, known, ["adapter", "config", "program", "disagreement"], "")
-    _expect(data.get("format", FORMAT) == FORMAT, f"format {data.get('format')!r} is not 1")
+    _expect(data.get("format", FORMAT) == FORMAT, f"format {brief(data.get('format'))} is not 1")
     adapter = _check_adapter(data["adapter"])
     variant = data.get("variant", "fixed")
     _expect(
         isinstance(variant, str) and is_variant(variant),
-        f"unknown variant {variant!r}; known: {sorted(VARIANTS)}",
+        f"unknown variant {brief(variant)}; known: {sorted(VARIANTS)}",
     )
     program = data["program"]
-    _expect(isinstance(program, list), f"program must be a list, got {program!r}")
+    _expect(isinstance(program, list), f"program must be a list, got {brief(program)}")
     _expect(bool(program), "program is empty: there is nothing to replay")
+    _expect(
+        len(program) <= MAX_PROGRAM_CALLS,
+        f"program has {len(program)} calls, more than the {MAX_PROGRAM_CALLS} a failure may hold",
+    )
     calls = tuple(_check_call(n, call) for n, call in enumerate(program))
     rule_steps = data.get("rule_steps", len(calls))
     _expect(
-        _is_int(rule_steps) and rule_steps >= 0,
-        f"rule_steps must be an int >= 0, got {rule_steps!r}",
+        _is_int(rule_steps) and 0 <= rule_steps <= MAX_PROGRAM_CALLS,
+        f"rule_steps must be an int from 0 to {MAX_PROGRAM_CALLS}, got {brief(rule_steps)}",
     )
     disagreement = data["disagreement"]
-    _expect(isinstance(disagreement, str), f"disagreement must be a string, got {disagreement!r}")
+    _expect(
+        isinstance(disagreement, str), f"disagreement must be a string, got {brief(disagreement)}"
+    )
     release = data.get("release")
     _expect(
         release is None or (isinstance(release, str) and _RELEASE.fullmatch(release) is not None),
-        f"release must be a version such as 0.34.0 or null, got {release!r}",
+        f"release must be a version such as 0.34.0 or null, got {brief(release)}",
     )
+    target = _check_target(data.get("target"), adapter, release)
     seed = data.get("seed")
-    _expect(seed is None or _is_int(seed), f"seed must be an int or null, got {seed!r}")
-    return Failure(
+    _expect(seed is None or _is_int(seed), f"seed must be an int or null, got {brief(seed)}")
+    failure = Failure(
         adapter,
         variant,
         _check_config(data["config"]),
@@ -381,16 +521,29 @@ def validate(data: object) -> Failure:
         disagreement,
         release,
         seed,
+        target,
     )
+    verdict = data.get("verdict", failure.verdict)
+    _expect(
+        verdict == failure.verdict,
+        f"verdict {brief(verdict)} is not what the disagreement says ({failure.verdict})",
+    )
+    return failure
 
 
 def load(path: str | Path) -> Failure:
     """Read and validate a failure file; every way it can be unreadable is a
     :class:`FailureFileError` naming the file and the problem."""
     try:
-        raw = Path(path).read_bytes()
+        # At most one byte past the cap: /dev/zero or a huge file is refused, never read.
+        with Path(path).open("rb") as file:
+            raw = file.read(MAX_FAILURE_BYTES + 1)
     except OSError as error:
         raise FailureFileError(f"{path}: cannot be read ({error.strerror or error})") from None
+    if len(raw) > MAX_FAILURE_BYTES:
+        raise FailureFileError(
+            f"{path}: larger than the {MAX_FAILURE_BYTES} bytes a failure file may have"
+        )
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as error:
@@ -412,8 +565,10 @@ def load(path: str | Path) -> Failure:
         raise FailureFileError(f"{path}: {error}") from None
 
 
-def save(failure: Failure, folder: Path = FAILURES) -> Path:
-    """Write ``failure`` to its file (:attr:`Failure.file_name`) under ``folder``."""
+def save(failure: Failure, folder: Path | None = None) -> Path:
+    """Write ``failure`` to its file (:attr:`Failure.file_name`) under ``folder`` (default:
+    :func:`kvoffload.isolation.failures_folder`, the caller's even in a subprocess)."""
+    folder = folder if folder is not None else failures_folder()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / failure.file_name
     path.write_text(json.dumps(failure.to_dict(), indent=1) + "\n")

@@ -1,7 +1,8 @@
 """Hypothesis settings profiles, always selected explicitly: ``fast`` (the default test run),
 ``ci`` (derandomized, no example database) and ``nightly`` (long campaigns). With ``CI`` set
 Hypothesis would otherwise load a profile of its own; ``load()`` chooses ours. The example
-database lives under ``.hypothesis/``."""
+database lives under ``.hypothesis/`` (of the caller's folder for an isolated subprocess:
+:func:`kvoffload.isolation.database_folder`)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,28 @@ import os
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-DATABASE = ".hypothesis/examples"
+from kvoffload.isolation import database_folder
+
+
+def without_local_constants() -> None:
+    """Hypothesis draws, now and then, a constant it read from the source of the modules
+    imported so far outside site-packages (kvoffload's, a vLLM tree's, within a time limit
+    of its own). What a seed draws would then depend on what happens to be imported, and
+    how fast: a derandomized run in pytest, under ``kvoffload verify`` or on a slower machine
+    would run other programs, and a draw-rate floor would hold in one and not in another.
+    The machine's draws are its own: only Hypothesis's global constants are used."""
+    try:
+        from hypothesis.internal.conjecture import providers
+        from hypothesis.internal.constants_ast import Constants
+    except ImportError:  # a Hypothesis without local constants
+        return
+    if hasattr(providers, "_get_local_constants"):
+        empty = Constants()
+        providers._get_local_constants = lambda: empty
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
+without_local_constants()
 
 
 def _base() -> settings:
@@ -30,7 +52,7 @@ def _base() -> settings:
 
 
 def register() -> None:
-    base, db = _base(), DirectoryBasedExampleDatabase(DATABASE)
+    base, db = _base(), DirectoryBasedExampleDatabase(str(database_folder()))
     settings.register_profile("fast", base, max_examples=60, stateful_step_count=30, database=db)
     settings.register_profile(
         "ci",

@@ -21,6 +21,7 @@ import re
 from collections.abc import Callable, Sequence
 
 from kvoffload.model import InvariantViolation
+from kvoffload.testing.failure import model_broke
 from kvoffload.testing.lockstep import Call
 
 
@@ -56,6 +57,9 @@ _FIELDS = re.compile(r"snapshots differ in (\[[^\]]*\])")
 
 def kind(found: str) -> str:
     """What kind of difference ``found`` describes, whatever the blocks and ids in it."""
+    invariant = model_broke(found)
+    if invariant is not None:
+        return f"the model broke {invariant}"
     fields = _FIELDS.search(found)
     if fields:
         return "snapshot " + fields.group(1)
@@ -71,7 +75,8 @@ def kind(found: str) -> str:
 
 def replay(disagrees: Callable[[list[Call]], str | None], program: list[Call]) -> str | None:
     """The difference ``program`` shows, or None: also for no program at all, and for one
-    whose own model breaks an invariant (it is not a reduction of this failure)."""
+    whose own model raises a broken invariant (the lockstep reports a model that breaks one
+    as a difference of its own :func:`kind`, never a reduction of another)."""
     if not program:
         return None
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
@@ -38,6 +39,7 @@ from kvoffload.testing.adapters import (
 )
 from kvoffload.testing.failure import Failure, validate
 from kvoffload.testing.lockstep import Call, as_outcome, compare, outcome, target_outcome
+from kvoffload.testing.profiles import without_local_constants
 
 # (group block sizes, hash block size, sliding windows, attention chunks): full attention,
 # then hybrid layouts with one sliding-window group whose window the prompts slide past. A
@@ -74,6 +76,9 @@ LAYOUTS: list[Layout] = [
     ((8, 4), 4, (), (), (False, True)),
     ((16, 16), 4, (), (), (False, True)),
 ]
+
+# What a seed draws must not depend on what else is imported (testing/profiles.py).
+without_local_constants()
 
 
 # Prompts from three stems, so that prefixes are shared, with up to two tokens after the
@@ -135,6 +140,8 @@ class Recorder:
     layout_programs: dict[str, int] = field(default_factory=dict)
     layout_calls: dict[str, int] = field(default_factory=dict)
     layout_seconds: dict[str, float] = field(default_factory=dict)
+    # called as each program ends (a campaign's progress), if set
+    on_program: Callable[[Recorder], None] | None = None
 
     def count(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1
@@ -145,6 +152,8 @@ class Recorder:
         self.count(self.layout_programs, layout)
         self.layout_calls[layout] = self.layout_calls.get(layout, 0) + calls
         self.layout_seconds[layout] = self.layout_seconds.get(layout, 0.0) + seconds
+        if self.on_program is not None:
+            self.on_program(self)
 
     def speeds(self) -> dict[str, tuple[float, float]]:
         """Per kind of layout, programs and driver calls per second of the time spent in
@@ -293,6 +302,7 @@ class ConformanceMachine(RuleBasedStateMachine):
                 self.rule_steps,
                 found,
                 release=target_release(type(self).adapter_name),
+                target=target_identity(type(self).adapter_name),
             )
             rec.failure = failure.to_dict()
             raise AssertionError(f"{found}\n\nreproduce with:\n{failure.reproducer()}")
@@ -673,6 +683,17 @@ def target_release(adapter_name: str) -> str | None:
     if adapter_name != "vllm":
         return None
     return os.environ.get("KVOFFLOAD_VLLM_VERSION") or None
+
+
+def target_identity(adapter_name: str) -> dict[str, str] | None:
+    """The vLLM target a ``vllm`` adapter runs, exactly (a release, a tree by its sources'
+    digest, an environment), as its process was told; else None."""
+    if adapter_name != "vllm":
+        return None
+    from kvoffload.upstream.targets import running_identity
+
+    identity = running_identity()
+    return None if identity is None else {k: v for k, v in identity.items() if v is not None}
 
 
 def reproducer(failure: dict[str, Any]) -> str:

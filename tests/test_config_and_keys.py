@@ -2,10 +2,23 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Iterator
+from typing import TypeVar
+
 import pytest
 
+from kvoffload.impl import OffloadImpl
+from kvoffload.impl.worker import KVLayout, kv_bytes, require_kv_fits
 from kvoffload.model import ConfigError, OffloadConfig
 from kvoffload.model.keys import BlockKey, block_keys, fine_key, prefix_digests
+from kvoffload.model.limits import (
+    MAX_BLOCK_TOKENS,
+    MAX_BLOCKS,
+    MAX_GROUPS,
+    MAX_KV_BYTES,
+    MAX_WORLD_SIZE,
+)
 
 
 def test_scheduler_block_size_is_the_lcm_of_group_sizes() -> None:
@@ -160,3 +173,182 @@ def test_a_block_key_is_the_fine_key_at_the_block_end() -> None:
     assert keys[1] == BlockKey(0, 16, digests[7])
     # A boundary inside a block is a different key.
     assert fine_key(digests, 2, 0, 2) not in keys
+
+
+# -- bounds (kvoffload.model.limits) -------------------------------------------------------
+
+HUGE = 10**5000  # an int Python refuses to write as digits
+T = TypeVar("T")
+
+
+# Per bound: a configuration at it (taken), and the same just past it (refused, naming it).
+W = MAX_WORLD_SIZE
+BOUNDS: dict[str, tuple[dict[str, object], dict[str, object], str]] = {
+    "gpu_blocks": (
+        {"gpu_blocks": MAX_BLOCKS},
+        {"gpu_blocks": MAX_BLOCKS + 1},
+        "gpu_blocks must be <= 4194304 .MAX_BLOCKS.",
+    ),
+    "cpu_blocks": (
+        {"cpu_blocks": MAX_BLOCKS},
+        {"cpu_blocks": MAX_BLOCKS + 1},
+        "cpu_blocks must be <= 4194304 .MAX_BLOCKS.",
+    ),
+    "hash_block_size": (
+        {"group_block_sizes": (MAX_BLOCK_TOKENS,), "hash_block_size": MAX_BLOCK_TOKENS},
+        {"group_block_sizes": (MAX_BLOCK_TOKENS,), "hash_block_size": MAX_BLOCK_TOKENS + 1},
+        "hash_block_size must be <= 65536 .MAX_BLOCK_TOKENS.",
+    ),
+    "group block size": (
+        {"group_block_sizes": (16, MAX_BLOCK_TOKENS)},
+        {"group_block_sizes": (16, MAX_BLOCK_TOKENS + 16)},
+        r"group_block_sizes\[1\] must be <= 65536 .MAX_BLOCK_TOKENS.",
+    ),
+    "groups": (
+        {"group_block_sizes": (16,) * MAX_GROUPS},
+        {"group_block_sizes": (16,) * (MAX_GROUPS + 1)},
+        "33 groups; at most 32 .MAX_GROUPS.",
+    ),
+    "window": (
+        {"group_block_sizes": (16, 16), "sliding_windows": (None, MAX_BLOCK_TOKENS)},
+        {"group_block_sizes": (16, 16), "sliding_windows": (None, MAX_BLOCK_TOKENS + 1)},
+        r"sliding_windows\[1\] must be <= 65536 .MAX_BLOCK_TOKENS.",
+    ),
+    "chunk": (
+        {"group_block_sizes": (16, 16), "attention_chunks": (None, MAX_BLOCK_TOKENS)},
+        {"group_block_sizes": (16, 16), "attention_chunks": (None, MAX_BLOCK_TOKENS + 16)},
+        r"attention_chunks\[1\] must be <= 65536 .MAX_BLOCK_TOKENS.",
+    ),
+    "scheduler block size": (
+        {"group_block_sizes": (2**15, 2**16), "hash_block_size": 2**14},
+        {"group_block_sizes": (2**16, 3 * 2**14), "hash_block_size": 2**14},
+        "scheduler block size 196608 .* must be <= 65536 .MAX_BLOCK_TOKENS.",
+    ),
+    "world_size": (
+        {"world_size": W},
+        {"world_size": W + 1},
+        "world_size must be <= 256 .MAX_WORLD_SIZE.",
+    ),
+    "dcp_world_size": (
+        {"world_size": W, "dcp_world_size": W, "group_block_sizes": (MAX_BLOCK_TOKENS,)},
+        {"world_size": W, "dcp_world_size": W + 1, "group_block_sizes": (MAX_BLOCK_TOKENS,)},
+        "dcp_world_size must be <= 256 .MAX_WORLD_SIZE.",
+    ),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BOUNDS))
+def test_a_size_at_its_bound_is_taken_and_just_past_it_refused_naming_it(name: str) -> None:
+    at, past, bound = BOUNDS[name]
+    base: dict[str, object] = {"gpu_blocks": 8, "cpu_blocks": 4}
+    OffloadConfig(**{**base, **at})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=bound) as refused:
+        OffloadConfig(**{**base, **past})  # type: ignore[arg-type]
+    assert len(str(refused.value)) < 400
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "bound"),
+    [
+        ({"gpu_blocks": 10**12}, "MAX_BLOCKS"),
+        ({"cpu_blocks": HUGE}, "cpu_blocks must be <= 4194304 .MAX_BLOCKS., got an int of"),
+        ({"group_block_sizes": (16, 2**40)}, r"group_block_sizes\[1\] .* .MAX_BLOCK_TOKENS."),
+        ({"world_size": 10**6}, "MAX_WORLD_SIZE"),
+    ],
+)
+def test_a_size_far_past_its_bound_is_refused_in_one_short_line(
+    kwargs: dict[str, object], bound: str
+) -> None:
+    with pytest.raises(ConfigError, match=bound) as refused:
+        OffloadConfig(**{"gpu_blocks": 8, "cpu_blocks": 4, **kwargs})  # type: ignore[arg-type]
+    assert len(str(refused.value)) < 400
+
+
+def test_the_bounds_are_checked_before_anything_is_computed_from_the_sizes() -> None:
+    """Sizes whose least common multiple would be huge, and a dcp size that would be checked
+    against them, are refused by their bounds first."""
+    with pytest.raises(ConfigError, match=r"group_block_sizes\[0\] .*MAX_BLOCK_TOKENS"):
+        OffloadConfig(8, 4, (2**40 + 1, 2**41 + 1, 2**42 + 1), 1, dcp_world_size=3)
+    with pytest.raises(ConfigError, match="dcp_world_size must be <= 256"):
+        OffloadConfig(8, 4, (2**40 + 1,), 1, dcp_world_size=10**6)
+    with pytest.raises(ConfigError, match=r"group_block_sizes\[0\] .* got an int of"):
+        OffloadConfig(8, 4, (HUGE,), 1)
+
+
+def test_a_config_error_naming_a_large_value_stays_one_short_line() -> None:
+    cases: list[dict[str, object]] = [
+        {"group_block_sizes": [16] * 10**5},
+        {"group_block_sizes": (16,) * 10**5},
+        {"sliding_windows": [None] * 10**5},
+        {"mamba": (False,) * 10**5},
+        {"lazy": "x" * 10**6},
+        {"gpu_blocks": [1] * 10**6},
+    ]
+    for kwargs in cases:
+        with pytest.raises(ConfigError) as refused:
+            OffloadConfig(**{"gpu_blocks": 8, "cpu_blocks": 4, **kwargs})  # type: ignore[arg-type]
+        assert len(str(refused.value)) < 400, str(refused.value)
+
+
+class Shifting(tuple[T, ...]):
+    """A tuple whose iteration gives its items the first time, and its first item in every
+    place after."""
+
+    passes = 0
+
+    def __iter__(self) -> Iterator[T]:
+        self.passes += 1
+        items = list(super().__iter__())
+        return iter(items if self.passes == 1 else items[:1] * len(items))
+
+
+def test_a_per_group_tuple_is_taken_once_and_kept_as_checked() -> None:
+    sizes: Shifting[int] = Shifting((8, 16))
+    config = OffloadConfig(8, 4, sizes, 8)
+    assert type(config.group_block_sizes) is tuple and config.group_block_sizes == (8, 16)
+    assert config.scheduler_block_size == 16 and sizes.passes == 1
+    windows: Shifting[int | None] = Shifting((None, 8))
+    windowed = OffloadConfig(8, 4, (8, 8), 8, sliding_windows=windows)
+    assert type(windowed.sliding_windows) is tuple and windowed.sliding_windows == (None, 8)
+    assert windows.passes == 1
+
+
+# -- the implementation's KV bytes (MAX_KV_BYTES) ------------------------------------------
+
+
+def test_the_kv_bytes_counted_are_the_bytes_the_workers_allocate() -> None:
+    config = OffloadConfig(6, 5, (4, 8), 4, world_size=2)
+    layout = KVLayout(num_layers=3, bytes_per_token=2)
+    with OffloadImpl(config, layout=layout, device="cpu", lockstep=True) as impl:
+        allocated = sum(
+            t.numel() * t.element_size()
+            for w in impl.workers
+            for t in (*w.gpu_blocks, *w.cpu_blocks)
+        )
+    assert kv_bytes(config, layout) == allocated == 2 * (6 + 5) * 3 * (4 + 8) * 2
+
+
+def test_an_implementation_past_the_kv_bound_is_refused_before_anything_starts() -> None:
+    """Just past MAX_KV_BYTES, with threads of copies: refused, saying the bytes it would
+    need, with no thread started; at the bound the check passes (not built: 8 GiB)."""
+    layout = KVLayout(num_layers=1, bytes_per_token=1)
+    at = OffloadConfig(2**20, 2**20, (16,), world_size=MAX_WORLD_SIZE)
+    assert kv_bytes(at, layout) == MAX_KV_BYTES
+    require_kv_fits(at, layout)
+    past = OffloadConfig(2**20 + 1, 2**20, (16,), world_size=MAX_WORLD_SIZE)
+    threads = threading.active_count()
+    need = kv_bytes(past, layout)
+    with pytest.raises(ConfigError, match=f"would take {need} bytes .* .MAX_KV_BYTES.") as refused:
+        OffloadImpl(past, layout=layout, device="cpu", lockstep=False)
+    assert threading.active_count() == threads and len(str(refused.value)) < 400
+    with pytest.raises(ConfigError, match="MAX_KV_BYTES"):
+        OffloadImpl(OffloadConfig(MAX_BLOCKS, MAX_BLOCKS, (MAX_BLOCK_TOKENS,), 16), device="cpu")
+    # without tensors (the scheduler alone) nothing is allocated: the pools' bounds suffice
+    assert OffloadImpl(past, layout=None).workers == []
+
+
+@pytest.mark.parametrize("field", ["num_layers", "bytes_per_token"])
+def test_a_layout_of_no_bytes_is_refused(field: str) -> None:
+    layout = KVLayout(**{field: 0})  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=f"KVLayout.{field} must be a positive int, got 0"):
+        OffloadImpl(OffloadConfig(4, 4), layout=layout, device="cpu")

@@ -3,6 +3,7 @@ the catalogue is found, shrunk and saved as a replayable program."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
@@ -85,10 +86,10 @@ def test_cpu_loads_are_common(loads: bool) -> None:
 
 
 def test_decode_context_parallelism_is_common() -> None:
-    """Two DCP ranks in one program in ten or more of these 300 (32 of them since the
-    fine-grained layout, 47 before): drawn one program in three on the full-attention
-    layouts, an odd world made even for them (9 where an odd world drops DCP instead;
-    docs/conformance.md)."""
+    """Two DCP ranks in one program in fifteen or more of these 300 (18 of them since the
+    machine's draws ignore the constants of whatever modules are imported, testing/profiles.py;
+    32 before, when kvoffload's own constants were among them): drawn one program in three on
+    the full-attention layouts, an odd world made even for them (docs/conformance.md)."""
     found: list[int] = []
 
     class Counting(machine_for("impl", loads=False)):  # type: ignore[misc]
@@ -97,7 +98,7 @@ def test_decode_context_parallelism_is_common() -> None:
             super().teardown()
 
     run_state_machine_as_test(Counting, settings=settings(profiles.get("ci"), max_examples=300))
-    assert len(found) >= 30, len(found)
+    assert len(found) >= 15, len(found)
 
 
 def test_resets_with_a_final_flush_queued_are_common() -> None:
@@ -161,3 +162,17 @@ def test_mamba_states_are_handed_off_and_loaded() -> None:
         len(stored),
         len(loaded),
     )
+
+
+def test_the_machines_draws_ignore_the_constants_of_imported_modules(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Hypothesis would draw constants read from any module imported outside site-packages
+    (a vLLM tree, a module a test happens to import first): a seed would then run other
+    programs depending on what is imported. The machine's draws ignore them."""
+    from hypothesis.internal.conjecture import providers
+
+    (tmp_path / "planted_constants.py").write_text("SEEDS = (123456789, 987654321)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("planted_constants")
+    assert len(providers._get_local_constants()) == 0

@@ -165,9 +165,45 @@ def _bad_shapes() -> list[tuple[str, dict[str, Any], str]]:
         ("call not a list", _failure(program=["step"]), "must be a list starting with"),
         ("unknown field", _failure(extra=1), "unknown fields ['extra']"),
         ("missing field", {"adapter": "impl"}, "missing fields"),
-        ("negative rule steps", _failure(rule_steps=-1), "rule_steps must be an int >= 0"),
+        (
+            "negative rule steps",
+            _failure(rule_steps=-1),
+            "rule_steps must be an int from 0 to 10000",
+        ),
         ("bad seed", _failure(seed="7"), "seed must be an int or null"),
         ("other format", _failure(format=2), "format 2 is not 1"),
+        (
+            "too long a program",
+            _failure(program=[["step", 1]] * 10_001),
+            "program has 10001 calls, more than the 10000",
+        ),
+        (
+            "huge value",
+            _failure(adapter="a" * 1_000_000),
+            "unknown adapter 'aaaa",
+        ),
+        ("target of another adapter", _failure(target={"kind": "release"}), "adapter is 'impl'"),
+        (
+            "tree without digest",
+            _failure(adapter="vllm", target={"kind": "tree", "path": "/t", "version": "0.34.0"}),
+            "target digest must be sha256:",
+        ),
+        (
+            "tree at a relative folder",
+            _failure(
+                adapter="vllm",
+                target={"kind": "tree", "path": "t", "digest": "sha256:" + "0" * 64},
+            ),
+            "target path must be an absolute folder name",
+        ),
+        (
+            "release of another version",
+            _failure(
+                adapter="vllm", release="0.29.0", target={"kind": "release", "version": "0.3"}
+            ),
+            "is not the failure's release",
+        ),
+        ("verdict that is not so", _failure(verdict="model-broke-invariant"), "verdict"),
     ]
 
 
@@ -240,3 +276,44 @@ def test_replay_run_says_whether_the_program_still_disagrees(
     faulty.write_text(json.dumps(_failure(adapter="fault:no-final-flush", program=program)))
     assert main(["replay", "--run", str(faulty)]) == 1
     assert "call 1 ('step', 8)" in capsys.readouterr().out
+
+
+def test_a_failure_file_is_read_with_a_cap(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    big = tmp_path / "big.json"
+    big.write_text(json.dumps(_failure(disagreement="x" * 3_000_000)))
+    for source in (str(big), "/dev/zero"):
+        assert main(["replay", source]) == 2
+        err = capsys.readouterr().err
+        assert "larger than the 2097152 bytes a failure file may have" in err
+        assert err.count("\n") == 1 and len(err) < 400
+
+
+def test_every_bad_value_is_refused_in_a_short_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    source = tmp_path / "failure.json"
+    for data in (
+        _failure(adapter="a" * 1_000_000),
+        _failure(program=[["lookup", [0] * 200_000 + ["x"]]]),
+        _failure(config=_failure()["config"] | {"gpu_blocks": "9" * 1_000_000}),
+    ):
+        source.write_text(json.dumps(data))
+        assert main(["replay", str(source)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and len(err) < 600, err[:300]
+
+
+def test_each_target_has_a_file_of_its_own() -> None:
+    digest = "sha256:" + "ab" * 32
+    tree = {"kind": "tree", "path": "/src/vllm", "digest": digest, "version": "0.34.0"}
+    env = {"kind": "current", "path": "/venv/lib/site-packages", "version": "0.34.0"}
+    names = {
+        validate(_failure(adapter="vllm", release="0.34.0", target=t)).file_name
+        for t in (None, {"kind": "release", "version": "0.34.0"}, tree, env)
+    }
+    assert len(names) == 3  # the release named twice, a tree and an environment
+    assert "vllm-0.34.0-fixed.json" in names and "vllm-tree-abababababab-fixed.json" in names
+    broke = _failure(disagreement="the model broke QUEUES at call 3 ('step', 8): ...")
+    assert validate(broke).file_name == "impl-fixed-model-broke.json"

@@ -77,3 +77,34 @@ def test_the_matrix_in_several_processes_is_the_matrix_in_one(
 def test_the_matrix_refuses_a_fault_it_does_not_know() -> None:
     with pytest.raises(ConfigError, match="unknown faults \\['no-such-fault'\\]"):
         mutation_matrix("ci", jobs=2, faults=["phantom-primary", "no-such-fault"])
+
+
+def test_mutants_writes_the_matrix_as_json(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    from kvoffload.main import main
+    from kvoffload.testing import campaign
+
+    monkeypatch.chdir(tmp_path)
+    whole = campaign.mutation_matrix
+    # two faults of the catalogue stand for all of it: what is tested is the report
+    monkeypatch.setattr(
+        campaign,
+        "mutation_matrix",
+        lambda name, progress, jobs: whole(
+            name, progress, jobs, ["no-final-flush", "phantom-primary"]
+        ),
+    )
+    out = tmp_path / "matrix.json"
+    assert main(["mutants", "--jobs", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["profile"] == "ci" and report["exit_status"] == 0
+    assert report["verdict"].startswith("2 of 2 faults found")
+    faults = {row["fault"]: row for row in report["faults"]}
+    assert set(faults) == {"no-final-flush", "phantom-primary"}
+    for row in faults.values():
+        assert row["found"] and 0 < row["shrunk_rules"] <= campaign.MAX_SHRUNK_STEPS
+        assert row["first_difference"].startswith("call ") and Path(row["saved"]).exists()
+    capsys.readouterr()

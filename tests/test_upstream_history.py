@@ -5,6 +5,7 @@ the bug, naming it, and conforms in the first release with the fix."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,16 @@ def test_a_bug_counts_only_with_its_words_found_and_its_fix_conforming(
     monkeypatch.setattr(Cache, "installed", lambda self, version: True)
     words = {b.id: f"call 3: snapshots differ in [{b.finds}]" for b in BUGS if b.in_scope}
     monkeypatch.setattr(history, "run_in_cache", _fake_run(words))
-    page = tmp_path / "history.md"
-    assert history.run_history("S1,S9,S25,S3", None, None, False, str(page)) == 0
+    page, verdicts = tmp_path / "history.md", tmp_path / "history.json"
+    status = history.run_history("S1,S9,S25,S3", None, None, False, str(page), False, str(verdicts))
+    assert status == 0
     out = capsys.readouterr().out
+    report = json.loads(verdicts.read_text())
+    assert report["exit_status"] == 0 and report["bugs_found"] == report["bugs_in_reach"] == 3
+    assert report["median_seconds_to_first_failure"] == 9.0
+    bugs = {bug["id"]: bug for bug in report["bugs"]}
+    assert bugs["S9"]["counted"] and bugs["S9"]["first_difference"] == words["S9"]
+    assert not bugs["S3"]["in_reach"] and "sliding-window" in bugs["S3"]["problem"]
     # median of 1, 9 and 25 seconds
     assert (
         "3 of 3 bugs in reach found" in out and "median seconds to the first failure 9.0 s" in out

@@ -45,9 +45,10 @@ def test_an_environment_missing_a_dependency_is_installed_over(
     (cache.env / ".ready").write_text(older)
     installed: list[tuple[str, ...]] = []
     monkeypatch.setattr(
-        "kvoffload.upstream.install._pip", lambda python, *args: installed.append(args)
+        "kvoffload.upstream.install._pip",
+        lambda python, what, *args, log=True: installed.append(args),
     )
-    monkeypatch.setattr("kvoffload.upstream.install.subprocess.run", lambda *a, **k: None)
+    monkeypatch.setattr("kvoffload.isolation.subprocess.run", lambda *a, **k: None)
     install("0.21.0", cache, log=False)
     assert len(installed) == 1 and "gguf" in installed[0]  # the list again, nothing else
     assert (cache.env / ".ready").read_text() == environment_stamp()
@@ -66,3 +67,27 @@ def test_a_release_runs_with_itself_and_kvoffload_importable(tmp_path: Path) -> 
     assert paths[0] == str(tmp_path / "releases" / "0.29.0")
     assert (Path(paths[1]) / "kvoffload").resolve() == Path(kvoffload.__file__).parent.resolve()
     assert env["HF_HUB_OFFLINE"] == "1"
+
+
+def test_a_long_install_says_it_goes_on_and_a_failed_one_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """pip takes minutes for the shared environment: a line says what it installs, and a line
+    every HEARTBEAT seconds that it still does; a pip that fails is a broken setup. (A stand-in
+    interpreter that sleeps, then exits as told: nothing is installed.)"""
+    from kvoffload.model.errors import SetupError
+    from kvoffload.upstream import install as installing
+
+    monkeypatch.setattr(installing, "HEARTBEAT", 0.05)
+    for status in (0, 1):
+        python = tmp_path / f"python-{status}"
+        python.write_text(f"#!/bin/sh\nsleep 0.5\nexit {status}\n")
+        python.chmod(0o755)
+        if status == 0:
+            installing._pip(python, "the packages", "x")
+        else:
+            with pytest.raises(SetupError, match="installing the packages failed"):
+                installing._pip(python, "the packages", "x")
+        lines = capsys.readouterr().err.splitlines()
+        assert lines[0] == "  installing the packages"
+        assert any(line.startswith("  still installing the packages (") for line in lines)

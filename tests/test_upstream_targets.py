@@ -4,6 +4,7 @@ reviewer of a pull request points kvoffload at) and the vLLM of the current envi
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -16,7 +17,13 @@ from kvoffload.main import main
 from kvoffload.model.errors import ConfigError
 from kvoffload.upstream.install import Cache, default_cache
 from kvoffload.upstream.releases import Check, governing_release
-from kvoffload.upstream.targets import checks_for, is_vllm_target, parse, tree_version
+from kvoffload.upstream.targets import (
+    checks_for,
+    is_vllm_target,
+    parse,
+    tree_digest,
+    tree_version,
+)
 
 MANAGER = Path("vllm") / "v1" / "simple_kv_offload" / "manager.py"
 
@@ -129,6 +136,44 @@ def test_a_bug_planted_in_a_copy_of_vllm_is_found(tmp_path: Path) -> None:
     assert "flush" in planted.stdout and "first_disagreement(config, program" in planted.stdout
     release = Cache(default_cache()).release("0.34.0") / MANAGER
     assert call in release.read_text()  # the installed release is untouched
+    _replay_on_the_tree(tree, tmp_path, manager)
+
+
+def _replay_on_the_tree(tree: Path, cwd: Path, manager: Path) -> None:
+    """The planted tree's failure names the tree, not the release it says it is: its own file
+    (the release's is never overwritten), replayed on the tree while its sources are those
+    that failed ("still disagrees", exit 1), on the release only when asked (``--target``),
+    refused once the tree has changed (exit 2); the pytest file ``replay`` writes reproduces
+    it from this plain environment."""
+    saved = sorted((cwd / ".hypothesis" / "kvoffload-failures").glob("vllm-*.json"))
+    names = [p.name for p in saved]
+    assert [n for n in names if n.startswith("vllm-tree-")] == names, names
+    failure = json.loads(saved[0].read_text())
+    assert failure["target"]["kind"] == "tree" and failure["target"]["path"] == str(tree)
+    assert failure["target"]["digest"] == tree_digest(tree)
+    replay = [sys.executable, "-m", "kvoffload", "replay", "--run", str(saved[0])]
+    again = subprocess.run(replay, cwd=cwd, capture_output=True, text=True, check=False)
+    assert again.returncode == 1, again.stdout[-2000:] + again.stderr[-2000:]
+    assert f"still disagrees on vllm@{tree} (sources {tree_digest(tree)[:19]})" in again.stdout
+    on_release = [*replay, "--target", "vllm==0.34.0"]
+    fixed = subprocess.run(on_release, cwd=cwd, capture_output=True, text=True, check=False)
+    assert fixed.returncode == 0, fixed.stdout[-2000:] + fixed.stderr[-2000:]
+    assert "no longer disagrees on vllm==0.34.0" in fixed.stdout
+    test_file = cwd / "test_regression_tree.py"
+    assert main(["replay", str(saved[0]), "--output", str(test_file)]) == 0
+    pytest_run = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(test_file)]
+    reproduced = subprocess.run(pytest_run, cwd=cwd, capture_output=True, text=True, check=False)
+    assert reproduced.returncode == 1, reproduced.stdout[-3000:]
+    assert "1 failed" in reproduced.stdout and "pending_flushes" in reproduced.stdout
+    source = manager.read_text()
+    manager.unlink()
+    manager.write_text(source + "# the tree moves on\n")
+    changed = subprocess.run(replay, cwd=cwd, capture_output=True, text=True, check=False)
+    assert changed.returncode == 2, changed.stdout[-2000:] + changed.stderr[-2000:]
+    assert "the tree has changed since" in changed.stderr
+    assert f"--target vllm@{tree}" in changed.stderr
+    skipped = subprocess.run(pytest_run, cwd=cwd, capture_output=True, text=True, check=False)
+    assert "1 skipped" in skipped.stdout, skipped.stdout[-2000:]
 
 
 def test_a_tree_whose_vllm_does_not_import_is_a_broken_setup(tmp_path: Path) -> None:

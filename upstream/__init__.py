@@ -11,3 +11,14 @@
 - ``releases``, ``check``: what each release is expected to do, and
   ``kvoffload verify --target vllm==X``.
 """
+
+import logging as _logging
+import os as _os
+
+# vLLM logs from some modules before its own logging is set up (its platform detection, on a
+# tree that is not installed): those records reach Python's last-resort handler whatever
+# VLLM_LOGGING_LEVEL says, and surround every verdict. The level that variable names (ERROR in
+# a release's process, unless the user set another: kvoffload.upstream.install.run_variables)
+# holds for vLLM's loggers from the first import of this package, before vLLM's.
+if _os.environ.get("VLLM_LOGGING_LEVEL"):
+    _logging.getLogger("vllm").setLevel(_os.environ["VLLM_LOGGING_LEVEL"].upper())

@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
+from kvoffload import isolation
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, SetupError
+from kvoffload.testing.failure import model_broke
 from kvoffload.upstream.install import (
     Cache,
     default_cache,
@@ -48,7 +49,14 @@ from kvoffload.upstream.reach import (
     table,
 )
 from kvoffload.upstream.releases import Check
-from kvoffload.upstream.targets import VllmTarget, checks_for, parse
+from kvoffload.upstream.targets import (
+    TARGET_VARIABLE,
+    VllmTarget,
+    checks_for,
+    describe,
+    parse,
+    running_identity,
+)
 
 COVERAGE_FILE = "KVOFFLOAD_COVERAGE"  # where the process of the checks writes its figures
 COVERAGE_HTML = "KVOFFLOAD_COVERAGE_HTML"  # where it writes the annotated source, if set
@@ -87,15 +95,20 @@ def check_release(
             reaches = load(Path(measure[COVERAGE_FILE]))
     if reaches is not None:
         print_reach(parsed.label, reaches, coverage_html)
-    failed = 0
+    failed = broken = 0
     verdicts = []
     for check, result in zip(checks, results, strict=True):
         verdict = judge(check, result)
         failed += verdict is not None
+        broken += (
+            result["disagreement"] is not None and model_broke(result["disagreement"]) is not None
+        )
         on = " (vLLM's scheduler)" if check.machine == "scheduler" else ""
         print(f"{parsed.label}{on} vs {check.variant}: {verdict or 'as expected'} ({check.why})")
         verdicts.append(asdict(check) | {"judgement": verdict or "as expected"} | result)
-    status = 1 if failed else 0
+    # A model that breaks its own invariant is no verdict on vLLM: a bug of the specification
+    # (exit status 3), whatever the other checks say.
+    status = 3 if broken else 1 if failed else 0
     if json_path:
         report = {
             "target": parsed.spec,
@@ -139,13 +152,19 @@ def run_in_cache(
             f"the shared environment of {cache.root} is not there; run `kvoffload install "
             "vllm==X.Y.Z` (any release) or add --install"
         )
-    with tempfile.TemporaryDirectory() as folder:
-        result_file = Path(folder) / "result.json"
-        command = [str(cache.python), "-m", "kvoffload.upstream.check", str(result_file)]
-        command += [json.dumps([asdict(c) for c in checks]), profile_name or ""]
-        command += ["" if seconds is None else str(seconds), "" if seed is None else str(seed)]
-        env = cache.environment(version, target.path) | (measure or {})
-        run = subprocess.run(command, env=env, check=False)
+    with isolation.own_folder() as folder:
+        result_file = folder / "result.json"
+        command = isolation.python_command(
+            cache.python,
+            "kvoffload.upstream.check",
+            str(result_file),
+            json.dumps([asdict(c) for c in checks]),
+            profile_name or "",
+            "" if seconds is None else str(seconds),
+            "" if seed is None else str(seed),
+        )
+        env = cache.environment(version, target.path, target.identity()) | (measure or {})
+        run = isolation.run(command, env, folder)
         if not result_file.exists():
             raise SetupError(
                 f"the checks of {target.label} did not finish (exit {run.returncode}): its "
@@ -169,7 +188,13 @@ def run_here(
         raise SetupError("no vLLM is installed in this environment (--target vllm)")
     cache = Cache(default_cache())
     write_model(cache)
-    os.environ.update(run_variables(cache.model) | {"KVOFFLOAD_VLLM_VERSION": target.version})
+    os.environ.update(
+        run_variables(cache.model)
+        | {
+            "KVOFFLOAD_VLLM_VERSION": target.version,
+            TARGET_VARIABLE: json.dumps(target.identity(), sort_keys=True),
+        }
+    )
     return measured_checks(measure or {}, target.version, checks, profile_name, seconds, seed)
 
 
@@ -218,6 +243,12 @@ def print_reach(label: str, reaches: list[FileReach], html: str | None) -> None:
 
 def judge(check: Check, result: dict[str, Any]) -> str | None:
     """What is wrong with ``result`` for ``check``, or None when it is as expected."""
+    invariant = None if result["conforms"] else model_broke(result["disagreement"])
+    if invariant is not None:
+        return (
+            f"the model broke {invariant} on the program saved: a bug of the specification, "
+            "not a verdict on vLLM"
+        )
     if check.expect == "conform":
         return None if result["conforms"] else "expected to conform, but it disagrees"
     if result["conforms"]:
@@ -263,7 +294,7 @@ def run_checks(
             seed=seed,
             database=profile.database,
         )
-        print_result(outcome, where=f" (in the environment of vllm {version})")
+        print_result(outcome, where=f" (with {running_target(version)})")
         failure = outcome.failure
         rec = outcome.recorder
         results.append(
@@ -295,13 +326,19 @@ def scheduler_check(
     result = run_scheduler_check(check.variant, profile, seconds, seed)
     verdict = "conforms" if result["conforms"] else f"disagrees: {result['disagreement']}"
     print(
-        f"vLLM's scheduler (in the environment of vllm {version}): {verdict} "
+        f"vLLM's scheduler (with {running_target(version)}): {verdict} "
         f"({result['programs']} programs, {result['driver_calls']} calls, "
         f"{result['seconds']} s)"
     )
     if result["reproducer"]:
         print(f"reproduce with:\n{result['reproducer']}")
     return result
+
+
+def running_target(version: str) -> str:
+    """The target this process runs, in words (``vllm@PATH (sources sha256:...)``)."""
+    identity = running_identity()
+    return describe(identity) if identity is not None else f"vllm {version}"
 
 
 def warm_up() -> None:

@@ -20,6 +20,7 @@ the run that writes it.
 
 from __future__ import annotations
 
+import json
 import os
 import statistics
 import time
@@ -93,9 +94,11 @@ def run_history(
     install_first: bool,
     write: str | None,
     releases: bool = False,
+    json_path: str | None = None,
 ) -> int:
     """``kvoffload history``: 0 when every bug in reach is found and its fix conforms (and,
-    with ``releases``, every release reaches its row's verdicts); 1 otherwise."""
+    with ``releases``, every release reaches its row's verdicts); 1 otherwise. With
+    ``json_path``, the same as JSON (:func:`report`)."""
     bugs = select(only)
     plan = checks_by_release(bugs, releases)
     profile_name = profile_name or DEFAULT_PROFILE
@@ -108,8 +111,12 @@ def run_history(
         )
     started = time.perf_counter()
     outcomes: Outcomes = {}
-    for version, checks in plan.items():
-        print(f"\n=== vllm=={version}: {len(checks)} checks", flush=True)
+    for n, (version, checks) in enumerate(plan.items(), 1):
+        print(
+            f"\n=== vllm=={version}: {len(checks)} checks (release {n} of {len(plan)}, "
+            f"{time.perf_counter() - started:.0f} s so far)",
+            flush=True,
+        )
         target = parse(f"vllm=={version}")
         ran = run_in_cache(target, install_first, tuple(checks), profile_name, seconds, None)
         outcomes.update(((version, c), r) for c, r in zip(checks, ran, strict=True))
@@ -127,7 +134,57 @@ def run_history(
         )
         print(f"written to {write}")
     ok = all(r.counted for r in results if r.bug.in_scope)
-    return 0 if ok and all(r.problem is None for r in release_results) else 1
+    status = 0 if ok and all(r.problem is None for r in release_results) else 1
+    if json_path:
+        document = report(results, release_results, profile_name, status)
+        Path(json_path).write_text(json.dumps(document, indent=1) + "\n")
+    return status
+
+
+def report(
+    results: list[BugResult], releases: list[ReleaseResult], profile_name: str, status: int
+) -> dict[str, Any]:
+    """The run as JSON (``kvoffload history --json``): every bug (found, its fix conforming,
+    the figures, the first difference or why it does not count), every release's verdicts."""
+    return {
+        "profile": profile_name,
+        "exit_status": status,
+        "bugs_found": sum(r.counted for r in results),
+        "bugs_in_reach": sum(r.bug.in_scope for r in results),
+        "median_seconds_to_first_failure": median_seconds(results),
+        "bugs": [
+            {
+                "id": r.bug.id,
+                "reference": r.bug.ref,
+                "title": r.bug.title,
+                "last_buggy": r.bug.buggy,
+                "fixed_in": r.bug.fixed,
+                "in_reach": r.bug.in_scope,
+                "found": r.found,
+                "fixed_conforms": r.fixed_conforms,
+                "counted": r.counted,
+                "seconds_to_first_failure": r.seconds_to_first_failure,
+                "programs_to_first_failure": r.programs_to_first_failure,
+                "shrunk_rules": r.shrunk_rules,
+                "shrunk_calls": r.shrunk_calls,
+                "first_difference": r.first_difference,
+                "problem": r.problem if r.bug.in_scope else r.bug.out_of_reach,
+            }
+            for r in results
+        ],
+        "releases": [
+            {
+                "release": r.version,
+                "variant": r.check.variant,
+                "expect": r.check.expect,
+                "why": r.check.why,
+                "as_expected": r.problem is None,
+                "problem": r.problem,
+                "disagreement": r.outcome.get("disagreement"),
+            }
+            for r in releases
+        ],
+    }
 
 
 def summarize(bug: HistoricalBug, outcomes: Outcomes) -> BugResult:

@@ -7,7 +7,14 @@ Layout of the cache (``$KVOFFLOAD_VLLM_CACHE``, default ``~/.cache/kvoffload/vll
 - ``releases/X/``: ``vllm==X`` installed there with ``--no-deps``;
 - ``model/``: a hand-written ``config.json`` of a small public architecture, since vLLM's
   ``ModelConfig`` wants a model and the hub is not reached (``HF_HUB_OFFLINE=1``);
-- ``vllm-state/X/``: what release ``X`` caches for itself (``VLLM_CACHE_ROOT``).
+- ``vllm-state/X/``: what release ``X`` caches for itself (``VLLM_CACHE_ROOT``);
+- ``kvoffload/H/kvoffload``: a link to the kvoffload that runs the checks (``H`` a digest of
+  where it is installed), so that the release's processes import kvoffload and nothing else of
+  the environment it is installed in.
+
+A release's process runs isolated (:mod:`kvoffload.isolation`): its ``sys.path`` is the cache
+interpreter's own, then exactly the release (or tree) and the kvoffload link; none of the
+caller's ``PYTHON*`` variables, user site-packages or working folder reach it.
 
 Each part is complete once its ``.ready`` stamp exists; a present part is reused (the
 environment's stamp lists the dependencies it has: a longer list is installed over it).
@@ -17,15 +24,20 @@ interrupted install is redone, never trusted.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
-from kvoffload.model.errors import ConfigError
+import kvoffload
+from kvoffload import isolation
+from kvoffload.model.errors import ConfigError, SetupError
 
 TORCH = "torch==2.13.0"  # the CPU build on disk; the same for every release
 DEPENDENCIES = [
@@ -118,23 +130,50 @@ class Cache:
         """The shared environment and the model config are there (what a tree needs)."""
         return all((p / ".ready").exists() for p in (self.env, self.model))
 
-    def environment(self, version: str, source: Path | None = None) -> dict[str, str]:
-        """Variables for running the cache's interpreter with release ``version`` (or the
-        vLLM tree at ``source``, which says it is ``version``) and this kvoffload
-        importable."""
-        package_root = Path(__file__).absolute().parents[2]  # the folder holding kvoffload/
+    def package_link(self) -> Path:
+        """The folder holding only a link ``kvoffload`` to this kvoffload (made when absent,
+        atomically, so that concurrent runs agree): on a release's path it brings this package
+        and nothing else of the environment it is installed in."""
+        # not resolved: an editable install's package is a tree of links, its root here
+        package = Path(kvoffload.__file__).absolute().parent
+        holder = self.root / "kvoffload" / hashlib.sha256(bytes(package)).hexdigest()[:16]
+        link = holder / "kvoffload"
+        if not link.is_symlink() or link.readlink() != package:
+            holder.mkdir(parents=True, exist_ok=True)
+            staged = holder / f".kvoffload-{os.getpid()}"
+            staged.unlink(missing_ok=True)
+            staged.symlink_to(package, target_is_directory=True)
+            staged.replace(link)
+        return holder
+
+    def environment(
+        self,
+        version: str,
+        source: Path | None = None,
+        identity: dict[str, Any] | None = None,
+    ) -> dict[str, str]:
+        """The isolated environment of the cache's interpreter with release ``version`` (or
+        the vLLM tree at ``source``, which says it is ``version``) and this kvoffload on its
+        path, and nothing else (:func:`kvoffload.isolation.environment`); ``identity``: the
+        target it runs, as failures name it (default: the release, or the tree)."""
+        from kvoffload.upstream.targets import TARGET_VARIABLE
+
         vllm_root = source if source is not None else self.release(version)
-        return (
-            os.environ
-            | {
-                "PYTHONPATH": os.pathsep.join([str(vllm_root), str(package_root)]),
+        if identity is None:
+            identity = {"kind": "release", "version": version}
+            if source is not None:
+                identity = {"kind": "tree", "version": version, "path": str(source)}
+        return isolation.environment(
+            [vllm_root, self.package_link()],
+            {
                 "KVOFFLOAD_VLLM_VERSION": version,
+                TARGET_VARIABLE: json.dumps(identity, sort_keys=True),
                 # vLLM caches what it learns of the model's class (else a subprocess of
                 # seconds in every process) in one file per class, keyed by the source's
                 # hash: one folder per release, so that releases do not evict each other's.
                 "VLLM_CACHE_ROOT": str(self.root / "vllm-state" / version),
             }
-            | run_variables(self.model)
+            | run_variables(self.model),
         )
 
 
@@ -149,8 +188,31 @@ def run_variables(model: Path) -> dict[str, str]:
     }
 
 
-def _pip(python: Path, *args: str) -> None:
-    subprocess.run([str(python), "-m", "pip", "install", "-q", *args], check=True)
+HEARTBEAT = 30.0  # seconds between two "still installing" lines
+
+
+def _pip(python: Path, what: str, *args: str, log: bool = True) -> None:
+    """``pip install -q args`` in the cache's interpreter, isolated, saying what it installs
+    and, while it runs, that it still does (a line every :data:`HEARTBEAT` seconds: an
+    environment takes minutes to build, and a silent one looks hung)."""
+    command = isolation.python_command(python, "pip", "install", "-q", *args)
+    with isolation.own_folder() as folder:
+        process = subprocess.Popen(command, env=isolation.environment([]), cwd=folder)
+        started = time.monotonic()
+        if log:
+            print(f"  installing {what}", file=sys.stderr, flush=True)
+        while True:
+            try:
+                status = process.wait(timeout=HEARTBEAT)
+                break
+            except subprocess.TimeoutExpired:
+                if log:
+                    elapsed = time.monotonic() - started
+                    print(
+                        f"  still installing {what} ({elapsed:.0f} s)", file=sys.stderr, flush=True
+                    )
+    if status != 0:
+        raise SetupError(f"installing {what} failed (pip exited {status}): see its output above")
 
 
 def environment_stamp() -> str:
@@ -165,17 +227,32 @@ def install_environment(cache: Cache, log: bool = True) -> None:
     wanted = environment_stamp()
     if not stamp.exists():
         if log:
-            print(f"creating the shared environment in {cache.env}", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "venv", str(cache.env)], check=True)
-        _pip(cache.python, TORCH)
+            print(
+                f"creating the shared environment in {cache.env} (minutes: torch and "
+                f"{len(DEPENDENCIES)} packages)",
+                file=sys.stderr,
+                flush=True,
+            )
+        with isolation.own_folder() as folder:
+            made = isolation.run(
+                isolation.python_command(sys.executable, "venv", str(cache.env.absolute())),
+                isolation.environment(),
+                folder,
+            )
+        if made.returncode != 0:
+            raise SetupError(f"creating the environment {cache.env} failed")
+        _pip(cache.python, TORCH, TORCH, log=log)
     if not stamp.exists() or stamp.read_text() != wanted:
         # New or changed dependencies (an older release needs one more): installing the
         # list again adds what is missing and keeps what is there.
-        _pip(cache.python, *DEPENDENCIES)
+        _pip(cache.python, f"{len(DEPENDENCIES)} packages vLLM imports", *DEPENDENCIES, log=log)
         # pulled in by xgrammar, a gigabyte, never imported by the scheduler side
-        subprocess.run(
-            [str(cache.python), "-m", "pip", "uninstall", "-q", "-y", "triton"], check=False
-        )
+        with isolation.own_folder() as folder:
+            isolation.run(
+                isolation.python_command(cache.python, "pip", "uninstall", "-q", "-y", "triton"),
+                isolation.environment([]),
+                folder,
+            )
         stamp.write_text(wanted)
     write_model(cache)
 
@@ -201,7 +278,16 @@ def install(version: str, cache: Cache | None = None, log: bool = True) -> Cache
     if not (target / ".ready").exists():
         say(f"installing vllm=={version} into {target}")
         target.mkdir(parents=True, exist_ok=True)
-        _pip(cache.python, "--no-deps", "--upgrade", "--target", str(target), f"vllm=={version}")
+        _pip(
+            cache.python,
+            f"vllm=={version}",
+            "--no-deps",
+            "--upgrade",
+            "--target",
+            str(target.absolute()),
+            f"vllm=={version}",
+            log=log,
+        )
         (target / ".ready").touch()
     return cache
 

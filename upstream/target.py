@@ -47,6 +47,8 @@ from kvoffload.model.validate import (
     require_int,
     require_live_request,
     require_new_request,
+    require_request_id,
+    require_token_budget,
     require_tokens,
 )
 from kvoffload.upstream.engine import VllmEngine
@@ -88,11 +90,10 @@ class VllmOffload:
         self.engine.add_request(request_id, tokens, max_tokens, skip_reading_prefix_cache)
 
     def step(self, token_budget: int) -> StepResult:
-        require_int("token_budget", token_budget, 0)
-        return self.engine.step(token_budget)
+        return self.engine.step(require_token_budget(token_budget))
 
     def finish(self, request_id: str) -> FinishResult:
-        req = self.engine.requests.get(request_id)
+        req = self.engine.requests.get(require_request_id(request_id))
         require_live_request(request_id, None if req is None else req.status)
         flushed = self.engine.finish_request(request_id)
         if flushed is None:
@@ -114,7 +115,8 @@ class VllmOffload:
 
     def _accept(self, kind: str, event: int, worker: int) -> set[int]:
         table = self._store_reports if kind == "store" else self._load_reports
-        reported = table.get(event, set())
+        # An unhashable or non-int event must get the contract's error, not the dict's.
+        reported = table.get(require_int("event", event, 0), set())
         require_completion(self.config, kind, event, worker, self._counter(kind), reported)
         table[event] = reported | {worker}
         return table[event]
@@ -131,13 +133,25 @@ class VllmOffload:
     def reset(self) -> bool:
         return bool(self.manager.reset())
 
-    def reset_prefix_cache(self, reset_connector: bool = False) -> bool:
+    def reset_prefix_cache(
+        self, reset_connector: bool = False, reset_running_requests: bool = False
+    ) -> bool:
         """vLLM's own ``Scheduler.reset_prefix_cache`` (no running request preempted), run on
         what it reads of its scheduler: the KV cache manager resets vLLM's GPU pool, the
-        connector (``SimpleCPUOffloadConnector.reset_cache``) the offload scheduler."""
+        connector (``SimpleCPUOffloadConnector.reset_cache``) the offload scheduler.
+
+        ``reset_running_requests`` is taken as the model takes it, but refused: preempting is
+        vLLM's ``Scheduler``'s own work, which the machine over vLLM's own scheduler
+        (:mod:`kvoffload.upstream.scheduler_machine`) runs; this view of it has none."""
         from vllm.v1.core.sched.scheduler import Scheduler
 
         flag = require_flag("reset_connector", reset_connector)
+        if require_flag("reset_running_requests", reset_running_requests):
+            raise InvalidArgumentError(
+                "reset_running_requests=True preempts running requests, which vLLM's own "
+                "Scheduler does: this connector-level target has none (the machine over "
+                "vLLM's scheduler runs it)"
+            )
         return bool(Scheduler.reset_prefix_cache(_SchedulerView(self), False, flag))
 
     def has_pending_stores(self) -> bool:
