@@ -4,7 +4,7 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-SOURCES := pyproject.toml $(shell find cli model impl proofs testing upstream -name '*.py' 2>/dev/null)
+SOURCES := pyproject.toml $(shell find cli model impl proofs testing upstream vllm_target -name '*.py' 2>/dev/null)
 
 .PHONY: venv verify test verify-vllm history clean
 

@@ -23,7 +23,7 @@ import os
 import sys
 import traceback
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import NoReturn
 
@@ -31,7 +31,7 @@ from kvoffload import __version__
 from kvoffload.model.errors import ConfigError, KVOffloadError, SetupError
 from kvoffload.model.limits import MAX_SECONDS, MAX_SEED, brief, cores, cut
 from kvoffload.model.variants import VARIANTS
-from kvoffload.upstream.targets import is_vllm_target
+from kvoffload.vllm_target.forms import is_vllm_target
 
 EXIT_CODES = """exit status: 0 conforms (or as expected), 1 a disagreement, 2 bad usage or input,
 3 a broken setup, the model breaking its own invariant, or an error of kvoffload itself"""
@@ -328,87 +328,129 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 3
 
 
-def _run(args: argparse.Namespace) -> int:
-    if args.command == "demo":
-        from kvoffload.model.demo import run_demo
+# -- the subcommands: each a function of the parsed arguments, by name ----------------------
 
-        return run_demo(args.variant)
-    if args.command in ("verify", "mutants", "replay"):
-        if args.command == "verify" and is_vllm_target(args.target or ""):
-            from kvoffload.upstream.check import check_release
 
-            return check_release(
-                args.target,
-                args.profile,
-                args.seconds,
-                args.install,
-                args.expect,
-                args.seed,
-                args.json,
-                args.coverage,
-                args.coverage_html,
-            )
-        if args.command == "verify" and args.expect:
-            raise ConfigError("--expect applies to vLLM targets only")
-        if args.command == "verify" and (args.coverage or args.coverage_html):
-            raise ConfigError("--coverage measures vLLM's code: it applies to vLLM targets only")
-        from kvoffload.testing import campaign
+def _demo(args: argparse.Namespace) -> int:
+    from kvoffload.model.demo import run_demo
 
-        if args.command == "verify":
-            return campaign.run_verify(
-                args.profile,
-                args.seconds,
-                args.target,
-                not args.no_mutants,
-                args.seed,
-                args.json,
-                args.jobs,
-            )
-        if args.command == "mutants":
-            return campaign.run_mutants(args.profile, args.write, args.jobs, args.json)
-        return campaign.run_replay(args.failure, args.output, args.run, args.target, args.html)
-    if args.command == "fuzz":
-        from kvoffload.testing.fuzz import run_fuzz
+    return run_demo(args.variant)
 
-        return run_fuzz(
+
+def _verify(args: argparse.Namespace) -> int:
+    if is_vllm_target(args.target or ""):
+        from kvoffload.upstream.check import check_release
+
+        return check_release(
             args.target,
-            args.workers,
-            args.seconds,
-            args.database,
-            args.profile,
-            args.seed,
+            profile_name=args.profile,
+            seconds=args.seconds,
+            install_first=args.install,
+            expect=args.expect,
+            seed=args.seed,
             json_path=args.json,
+            coverage=args.coverage,
+            coverage_html=args.coverage_html,
         )
-    if args.command == "history":
-        from kvoffload.upstream.history import run_history
+    if args.expect:
+        raise ConfigError("--expect applies to vLLM targets only")
+    if args.coverage or args.coverage_html:
+        raise ConfigError("--coverage measures vLLM's code: it applies to vLLM targets only")
+    from kvoffload.testing import campaign
 
-        return run_history(
-            args.only,
-            args.profile,
-            args.seconds,
-            args.install,
-            args.write,
-            args.releases,
-            json_path=args.json,
-        )
-    if args.command == "install":
-        from kvoffload.upstream.install import install_command
+    return campaign.run_verify(
+        profile_name=args.profile,
+        seconds=args.seconds,
+        target=args.target,
+        mutants=not args.no_mutants,
+        seed=args.seed,
+        json_path=args.json,
+        jobs=args.jobs,
+    )
 
-        return install_command(args.target)
-    if args.command == "prove":
-        from kvoffload.proofs.run import run_prove
 
-        return run_prove(args.verbose)
-    if args.command == "bench":
-        from kvoffload.impl.bench import run_bench
-        from kvoffload.testing.throughput import bench_section
-        from kvoffload.upstream.schedbench import vllm_scheduler_cost
+def _mutants(args: argparse.Namespace) -> int:
+    from kvoffload.testing import campaign
 
-        return run_bench(
-            args.output,
-            args.json,
-            args.quick,
-            vllm=vllm_scheduler_cost,
-            lockstep=lambda: bench_section(args.quick),
-        )
-    return 2
+    return campaign.run_mutants(
+        profile_name=args.profile, write=args.write, jobs=args.jobs, json_path=args.json
+    )
+
+
+def _replay(args: argparse.Namespace) -> int:
+    from kvoffload import replaying
+
+    return replaying.run_replay(
+        args.failure, output=args.output, run=args.run, target=args.target, html=args.html
+    )
+
+
+def _fuzz(args: argparse.Namespace) -> int:
+    from kvoffload.fuzz import run_fuzz
+
+    return run_fuzz(
+        args.target,
+        workers=args.workers,
+        seconds=args.seconds,
+        database=args.database,
+        profile_name=args.profile,
+        seed=args.seed,
+        json_path=args.json,
+    )
+
+
+def _history(args: argparse.Namespace) -> int:
+    from kvoffload.upstream.history import run_history
+
+    return run_history(
+        args.only,
+        profile_name=args.profile,
+        seconds=args.seconds,
+        install_first=args.install,
+        write=args.write,
+        releases=args.releases,
+        json_path=args.json,
+    )
+
+
+def _install(args: argparse.Namespace) -> int:
+    from kvoffload.upstream.install import install_command
+
+    return install_command(args.target)
+
+
+def _prove(args: argparse.Namespace) -> int:
+    from kvoffload.proofs.run import run_prove
+
+    return run_prove(args.verbose)
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvoffload.impl.bench import run_bench
+    from kvoffload.testing.throughput import bench_section
+    from kvoffload.upstream.schedbench import vllm_scheduler_cost
+
+    return run_bench(
+        args.output,
+        args.json,
+        args.quick,
+        vllm=vllm_scheduler_cost,
+        lockstep=lambda: bench_section(args.quick),
+    )
+
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "demo": _demo,
+    "verify": _verify,
+    "mutants": _mutants,
+    "replay": _replay,
+    "fuzz": _fuzz,
+    "history": _history,
+    "install": _install,
+    "prove": _prove,
+    "bench": _bench,
+}
+
+
+def _run(args: argparse.Namespace) -> int:
+    return COMMANDS[args.command](args)

@@ -4,76 +4,42 @@ as a pytest regression file)."""
 
 from __future__ import annotations
 
-import itertools
 import json
 import multiprocessing
-import random
 import re
 import sys
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from hypothesis import seed as hypothesis_seed
 from hypothesis import settings
 from hypothesis.database import ExampleDatabase
-from hypothesis.errors import Flaky
-from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.impl import FAULTS
-from kvoffload.isolation import spawning_safely
 from kvoffload.model import OffloadModel
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError
 from kvoffload.model.invariants import CHECKS
-from kvoffload.progress import Progress
-from kvoffload.testing import profiles, replaying
-from kvoffload.testing.adapters import adapters, default_adapter
-from kvoffload.testing.failure import Failure, load, model_broke, save, validate
+from kvoffload.testing import profiles, reduce
+from kvoffload.testing.failure import OFFLOAD, Failure, validate
+from kvoffload.testing.isolation import spawning_safely
 from kvoffload.testing.lockstep import Call, disagreement, outcome
-from kvoffload.testing.reduce import kind, reduce_program, replay
+from kvoffload.testing.machine import CampaignResult, Recorder, run_machine_campaign
+from kvoffload.testing.reduce import kind, replay
 from kvoffload.testing.stateful import (
     SETTLE_MAX_BUDGET,
     SETTLE_MIN_BUDGET,
     ConformanceMachine,
-    Recorder,
     machine_for,
     settle_calls,
 )
+from kvoffload.testing.targets import default_target, spec
 
 # Targets of the mutation matrix under the ``ci`` profile.
 MAX_SHRUNK_STEPS = 8
 MAX_MEDIAN_SECONDS = 10.0
-
-
-@dataclass
-class CampaignResult:
-    adapter: str
-    conforms: bool
-    seconds: float
-    first_failure: float | None
-    recorder: Recorder
-    failure: dict[str, Any] | None
-    seed: int | None = None  # the seed of the batch that failed, or of the first batch
-    saved: Path | None = None  # where the failure was saved
-
-    @property
-    def broken_invariant(self) -> str | None:
-        """The invariant the model itself broke on the failure's program, or None."""
-        return None if self.failure is None else model_broke(self.failure["disagreement"])
-
-    @property
-    def shrunk_steps(self) -> int | None:
-        """Rules in the shrunk counterexample (Hypothesis's steps)."""
-        return None if self.failure is None else int(self.failure["rule_steps"])
-
-    @property
-    def shrunk_calls(self) -> int | None:
-        """Driver calls in the shrunk counterexample (a rule may make several)."""
-        return None if self.failure is None else len(self.failure["program"])
 
 
 def run_campaign(
@@ -94,94 +60,67 @@ def run_campaign(
     it holds for this target first). A random profile runs batch ``k`` from seed ``seed + k``
     (``seed`` drawn when not given), so that a run is repeated by giving its seed; a
     derandomized profile (``ci``) needs none."""
-    recorder = Recorder()
-    machine = machine_for(adapter, recorder, variant, loads)
-    start = time.perf_counter()
-    failure: dict[str, Any] | None = None
-    batch = (
-        settings(profile, max_examples=25, derandomize=False, database=database)
-        if seconds
-        else profile
-    )
-    if seed is None and not batch.derandomize:
-        seed = random.getrandbits(32)
-    used = seed
-    shown = Progress() if progress else None
-    if shown is not None:
-        # a line per program as it ends (at most one per Progress.every in a log): a batch of
-        # the ci profile is a thousand programs, minutes without a word otherwise
-        recorder.on_program = lambda rec: shown.update(
-            f"{adapter}: {rec.programs} programs, {rec.steps} steps, "
-            f"{time.perf_counter() - start:.0f} s"
-        )
-    for n in itertools.count():
-        if seed is not None:
-            used = seed + n
-            hypothesis_seed(used)(machine)
-        try:
-            run_state_machine_as_test(machine, settings=batch)
-        except (AssertionError, Flaky):
-            failure = recorder.failure
-            # The recorder holds the last example's disagreement; without one, what failed
-            # is not a disagreement (a violated invariant of the model, an error of the
-            # machine) and must not pass for conformance.
-            if failure is None:
-                raise
-        elapsed = time.perf_counter() - start
-        if shown is not None:
-            shown.update(
-                f"{adapter}: {recorder.programs} programs, {recorder.steps} steps, {elapsed:.0f} s"
-            )
-        if failure is not None or seconds is None or elapsed >= seconds:
-            break
-        if stop is not None and stop():
-            break
-    if shown is not None:
-        shown.done()
-        recorder.on_program = None  # a result crosses processes (the matrix's): no closure
-    saved = None
-    if failure is not None:
-        record = reduced(machine, validate(failure | {"seed": used}))
-        failure = record.to_dict()
-        saved = save(record)
-    return CampaignResult(
+    machine = machine_for(adapter, Recorder(), variant, loads)
+    return run_machine_campaign(
+        machine,
         adapter,
-        failure is None,
-        time.perf_counter() - start,
-        recorder.first_failure,
-        recorder,
-        failure,
-        # a failure's batch reruns from its own seed; a clean run from the first batch's
-        used if failure is not None else seed,
-        saved,
+        campaign_batch(profile, seconds, database),
+        lambda failure: reduced(machine, failure),
+        seconds,
+        seed,
+        stop,
+        progress,
     )
 
 
-Checker = Callable[[OffloadConfig], Callable[[list[Call]], str | None]]
+def check_record(result: CampaignResult, variant: str, machine: str = OFFLOAD) -> dict[str, Any]:
+    """One check of a vLLM release as ``kvoffload verify --target vllm==X`` reports it (its
+    JSON and the history's), whichever machine ran it."""
+    failure, rec = result.failure, result.recorder
+    return {
+        "variant": variant,
+        "machine": machine,
+        "conforms": result.conforms,
+        "seconds": round(result.seconds, 1),
+        "seed": result.seed,
+        "programs": rec.programs,
+        "rule_steps": rec.rule_steps,
+        "driver_calls": rec.steps,
+        "rules": dict(sorted(rec.rules.items())),
+        "seconds_to_first_failure": result.first_failure,
+        "programs_to_first_failure": rec.first_failing_program,
+        "disagreement": None if failure is None else failure["disagreement"],
+        "failure": failure,
+        "reproducer": None if failure is None else validate(failure).reproducer(),
+        "saved": None if result.saved is None else str(result.saved.absolute()),
+    }
+
+
+def campaign_batch(
+    profile: settings, seconds: float | None, database: ExampleDatabase | None = None
+) -> settings:
+    """What one batch of a campaign runs: the profile's examples, or for a campaign of
+    ``seconds``, batches of 25 random programs (each batch from its own seed), replaying
+    what ``database`` holds first."""
+    if not seconds:
+        return profile
+    return settings(profile, max_examples=25, derandomize=False, database=database)
 
 
 def reduced(machine: type[ConformanceMachine], failure: Failure) -> Failure:
-    """``failure`` after the call-level pass (:mod:`kvoffload.testing.reduce`), replayed on
-    the machine's own target and model variant, in the simplest configuration in which a
-    program still disagrees the same way (:func:`simplest`); as it was if it does not replay
-    (a flaky failure is reported as Hypothesis found it)."""
+    """``failure`` reduced (:func:`kvoffload.testing.reduce.reduced`) on the machine's own
+    target and model variant, runs of steps and drains made ``settle`` rules again
+    (:func:`regrouped`)."""
 
     def disagrees(config: OffloadConfig) -> Callable[[list[Call]], str | None]:
         return lambda calls: disagreement(machine.adapter, machine.variant, config, calls)
 
-    config, program, found = simplest(failure.config, list(failure.program), disagrees)
-    if found is None or model_broke(found) != failure.broken_invariant:
-        # (a verdict's class is kept: a model that broke an invariant stays one, and a
-        # difference stays a difference, whatever a replay of another kind shows)
-        return failure
-    program, found, rules = regrouped(machine, config, program, found, disagrees(config))
-    return replace(
-        failure,
-        config=config,
-        program=tuple(program),
-        disagreement=found,
-        rule_steps=min(failure.rule_steps, rules),
-    )
+    def regroup(
+        config: OffloadConfig, program: list[Call], found: str
+    ) -> tuple[list[Call], str, int]:
+        return regrouped(machine, config, program, found, disagrees(config))
+
+    return reduce.reduced(failure, disagrees, regroup)
 
 
 # The calls after which a rule drains the stats, as part of that same rule.
@@ -249,51 +188,6 @@ def _call_index(found: str) -> int | None:
     """The index of the call a difference names (``call N (...)``), if it names one."""
     match = re.match(r"(?:the model broke \S+ at )?call (\d+) ", found)
     return int(match.group(1)) if match else None
-
-
-def simplest(
-    config: OffloadConfig, program: list[Call], disagrees: Checker
-) -> tuple[OffloadConfig, list[Call], str | None]:
-    """The configuration made as simple as :func:`simpler_config` can, the program reduced
-    in it; then, since a program may need a call in its configuration that the simpler one
-    must not have (a lazy program's extra step that stores a block, say), each call left
-    out once more with the simpler configuration tried on what remains."""
-    found = replay(disagrees(config), program)
-    if found is None:
-        return config, program, None
-    wanted = kind(found)
-    config = simpler_config(config, program, disagrees, wanted)
-    program, found = reduce_program(program, disagrees(config))
-    for i in range(len(program)):
-        without = program[:i] + program[i + 1 :]
-        simpler = simpler_config(config, without, disagrees, wanted)
-        if simpler != config:
-            # The configuration lattice is finite: each recursion lifts one more setting.
-            return simplest(simpler, without, disagrees)
-    return config, program, found
-
-
-def simpler_config(
-    config: OffloadConfig, program: Sequence[Call], disagrees: Checker, wanted: str
-) -> OffloadConfig:
-    """``config`` made simpler where ``program`` still disagrees in the same way (``wanted``,
-    a :func:`~kvoffload.testing.reduce.kind`): eager instead of lazy, one worker instead of
-    several. Hypothesis shrinks the choices that drew a program; a choice drawn first (the
-    configuration) can rarely change without changing what every later choice means, so a
-    lazy counterexample of an eager bug stays lazy, and longer, unless the configuration is
-    tried on its own. One rank of decode context parallelism instead of two, too."""
-    for change in ({"lazy": False}, {"dcp_world_size": 1}, {"world_size": 1}):
-        # Each only lifts restrictions: a target that takes the configuration takes these.
-        try:
-            candidate = replace(config, **change)
-        except ConfigError:  # one worker, where decode context parallelism needs two
-            continue
-        if candidate == config:
-            continue
-        result = replay(disagrees(candidate), list(program))
-        if result is not None and kind(result) == wanted:
-            config = candidate
-    return config
 
 
 def mutation_matrix(
@@ -400,10 +294,10 @@ def run_verify(
     is found within the targets, 1 otherwise; ``json_path`` receives the same as a report
     (:func:`report`)."""
     profile = profiles.load(profile_name)
-    adapter = target or default_adapter()
-    known = adapters()
-    if adapter not in known:
-        raise ConfigError(f"unknown target {adapter!r}; known here: {sorted(known)}")
+    adapter = target or default_target()
+    why = spec(adapter).unavailable()
+    if why is not None:
+        raise ConfigError(f"the target {adapter} cannot run here: {why}")
     result = run_campaign(adapter, profile, seconds=seconds, progress=True, seed=seed)
     print_result(result, f"conformance of {adapter}: ")
     ok = result.conforms
@@ -599,39 +493,3 @@ def describe(call: list[Any]) -> str:
     if name == "lookup":
         return f"lookup({args[0]})"
     return f"{name}({', '.join(map(repr, args))})"
-
-
-def run_replay(
-    path: str,
-    output: str | None = None,
-    run: bool = False,
-    target: str | None = None,
-    html: str | None = None,
-) -> int:
-    """``kvoffload replay``: the saved failure at ``path`` as a pytest file (printed, and
-    written to ``output``); or with ``run`` (or ``html``, a page of the run to write) the
-    failure's program driven again on the target it failed on, or on ``target``
-    (:mod:`kvoffload.testing.replaying`): 0 when it conforms now, 1 while it disagrees, 3
-    while the model breaks an invariant on it. The file is validated before anything is
-    written or run (:mod:`kvoffload.testing.failure`)."""
-    failure = load(path)
-    if not (run or html):
-        if target is not None:
-            raise ConfigError("--target says where to replay: it goes with --run or --html")
-        text = failure.regression_test()
-        if output:
-            Path(output).write_text(text)
-        print(text)
-        return 0
-    outcome = replaying.replay(failure, target, None if html is None else Path(html))
-    if html is not None:
-        print(f"the page of the run on {outcome.label}: {html}")
-    if outcome.found is None:
-        print(f"no longer disagrees on {outcome.label}: the program of {path} conforms")
-        return 0
-    invariant = model_broke(outcome.found)
-    if invariant is not None:
-        print(f"the model still breaks {invariant} on the program of {path}:\n{outcome.found}")
-        return 3
-    print(f"still disagrees on {outcome.label}:\n{outcome.found}")
-    return 1

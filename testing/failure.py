@@ -8,10 +8,16 @@ source text: no field of a failure file can run code, whatever it holds.
 
 Invariants kept:
 
-- SCHEMA: :func:`validate` accepts exactly the documented fields with their types (call names
-  from :data:`CALLS` with their arity and argument types, a configuration ``OffloadConfig``
-  accepts, a known adapter and model variant, a non-empty program) and raises
-  :class:`FailureFileError` naming the first problem otherwise.
+- SCHEMA: :func:`validate` accepts exactly the documented fields with their types (the machine
+  it came from, one of :data:`MACHINES`, and that machine's call names with their arity and
+  argument types, a configuration ``OffloadConfig`` accepts, a target of the registry
+  (:mod:`kvoffload.testing.targets`) the machine drives and a model variant, a non-empty
+  program) and raises :class:`FailureFileError` naming the first problem otherwise.
+- ONE FORMAT: the failures of every machine (the offload machine,
+  :mod:`kvoffload.testing.stateful`; the scheduler machine,
+  :mod:`kvoffload.testing.scheduler_machine`) are this one format, saved, reduced and
+  replayed alike; a file of format 1 (before the machine was recorded) is the offload
+  machine's.
 - LITERALS: the text of :meth:`Failure.reproducer` and :meth:`Failure.regression_test` is
   built from ``repr`` of validated values and fixed source only.
 - ONE FILE PER CHECK: :func:`save` keeps one file per target (a release, a tree by the digest
@@ -32,13 +38,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvoffload.isolation import failures_folder
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, KVOffloadError
 from kvoffload.model.limits import MAX_FAILURE_BYTES, MAX_PROGRAM_CALLS, brief
 from kvoffload.model.variants import VARIANTS, is_variant
+from kvoffload.testing.isolation import failures_folder
+from kvoffload.testing.targets import UnknownTargetError, names, spec
 
-FORMAT = 1
+FORMAT = 2
+FORMATS = (1, 2)  # read: 1 has no "machine" (the offload machine's)
 # What a failure shows: the target differs from the model, or the model itself broke one of
 # its invariants on the program (a bug of the specification: exit status 3).
 DIFFERS, MODEL_BROKE = "differs", "model-broke-invariant"
@@ -63,6 +71,18 @@ CALLS: dict[str, tuple[str, ...]] = {
     "fail_store": ("int", "int"),
     "corrupt": ("int", "int"),
 }
+# The scheduler machine's calls (kvoffload.vllm_target.scheduler): a step says whether its
+# output reports every completion sent so far; an abort finishes a request from outside.
+SCHEDULER_CALLS: dict[str, tuple[str, ...]] = {
+    "add": ("str", "ints", "int", "flag?"),
+    "step": ("int", "flag"),
+    "abort": ("str",),
+    "reset_prefix_cache": ("flag", "flag?"),
+}
+OFFLOAD, SCHEDULER = "offload", "scheduler"
+MACHINES: dict[str, dict[str, tuple[str, ...]]] = {OFFLOAD: CALLS, SCHEDULER: SCHEDULER_CALLS}
+# The scheduler machine's target when it runs the model alone, every invariant checked.
+MODEL_ALONE = "model"
 CONFIG_FIELDS = (
     "gpu_blocks",
     "cpu_blocks",
@@ -88,7 +108,7 @@ CONFIG_DEFAULTS: dict[str, Any] = {
 _SAFE_NAME = re.compile(r"[^A-Za-z0-9._-]+")
 # A release as a version string (PEP 440 characters): it is printed in a comment line.
 _RELEASE = re.compile(r"[A-Za-z0-9][A-Za-z0-9.+!_-]{0,63}")
-# A target's identity (kvoffload.upstream.targets.VllmTarget.identity): a release, a tree by
+# A target's identity (kvoffload.vllm_target.forms.VllmTarget.identity): a release, a tree by
 # its absolute folder and the digest of its sources, or the vLLM of an environment.
 _TARGET_KINDS = {"release": (), "tree": ("path", "digest"), "current": ("path",)}
 _DIGEST = re.compile(r"sha256:[0-9a-f]{64}")
@@ -122,8 +142,11 @@ class Failure:
     disagreement: str
     release: str | None = None
     seed: int | None = None
-    # vLLM's failures: the target exactly (kvoffload.upstream.targets.VllmTarget.identity)
+    # vLLM's failures: the target exactly (kvoffload.vllm_target.forms.VllmTarget.identity)
     target: dict[str, str] | None = None
+    machine: str = OFFLOAD  # the machine that found it (MACHINES)
+    # the scheduler machine's: vLLM's whole-sequence admission on or off, for both sides
+    whole_sequence_admission: bool | None = None
 
     @property
     def broken_invariant(self) -> str | None:
@@ -141,15 +164,22 @@ class Failure:
         were recorded, the release it names."""
         if self.target is not None:
             return self.target
-        if self.adapter == "vllm" and self.release:
+        if self.elsewhere and self.release:
             return {"kind": "release", "version": self.release}
         return None
+
+    @property
+    def elsewhere(self) -> bool:
+        """Whether it replays in the environment it names (a vLLM release or tree), not in
+        the one that reads it."""
+        return self.adapter != MODEL_ALONE and spec(self.adapter).elsewhere
 
     # -- the wire form ----------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "format": FORMAT,
+            "machine": self.machine,
             "adapter": self.adapter,
             "variant": self.variant,
             "release": self.release,
@@ -160,11 +190,11 @@ class Failure:
             "program": [list(call) for call in self.program],
             "rule_steps": self.rule_steps,
             "disagreement": self.disagreement,
-        }
-
-    @property
-    def faults(self) -> list[str]:
-        return [self.adapter.removeprefix("fault:")] if self.adapter.startswith("fault:") else []
+        } | (
+            {"whole_sequence_admission": self.whole_sequence_admission}
+            if self.machine == SCHEDULER
+            else {}
+        )
 
     @property
     def file_name(self) -> str:
@@ -180,7 +210,8 @@ class Failure:
             place = hashlib.sha256(identity.get("path", "").encode()).hexdigest()[:8]
             where = f"env-{identity.get('version') or 'unknown'}-{place}"
         kind = "model-broke" if self.verdict == MODEL_BROKE else None
-        parts = [self.adapter, where, self.variant, kind]
+        machine = None if self.machine == OFFLOAD else self.machine
+        parts = [machine, self.adapter, where, self.variant, kind]
         return _SAFE_NAME.sub("-", "-".join(p for p in parts if p)) + ".json"
 
     # -- programs made from it --------------------------------------------------------
@@ -195,14 +226,26 @@ class Failure:
         return "[\n" + "".join(f"    {_literal(call)},\n" for call in self.program) + "]"
 
     def _target_source(self) -> str:
-        if self.adapter == "vllm":
-            return f"adapter='vllm', variant={self.variant!r}"
-        device = "cuda" if self.adapter == "impl-cuda" else "cpu"
-        return f"faults={self.faults!r}, device={device!r}"
+        """The arguments of the replay call: the machine's, then the target's."""
+        if self.machine == SCHEDULER:
+            return (
+                f"{self.variant!r}, whole_sequence_admission={self.whole_sequence_admission!r}, "
+                f"vllm={self.adapter != MODEL_ALONE!r}"
+            )
+        row = spec(self.adapter)
+        if row.device is None:
+            return f"adapter={self.adapter!r}, variant={self.variant!r}"
+        return f"faults={list(row.faults)!r}, device={row.device!r}"
+
+    def _replay_source(self) -> tuple[str, str]:
+        """The module and function that replay the program on its machine."""
+        if self.machine == SCHEDULER:
+            return "kvoffload.testing.scheduler_lockstep", "first_difference"
+        return "kvoffload.testing.lockstep", "first_disagreement"
 
     def where(self) -> str:
         """Where the program must run: vLLM's failures with their target's code."""
-        if self.adapter != "vllm":
+        if not self.elsewhere:
             return ""
         identity = self.target_identity
         if identity is None:
@@ -221,35 +264,35 @@ class Failure:
 
     def reproducer(self) -> str:
         """A standalone program that prints the first disagreement (None once fixed)."""
+        module, function = self._replay_source()
         return (
             self.where() + "from kvoffload.model import OffloadConfig\n"
-            "from kvoffload.testing.lockstep import first_disagreement\n\n"
+            f"from {module} import {function}\n\n"
             f"config = {self._config_source()}\n"
             f"program = {self._program_source()}\n"
-            f"print(first_disagreement(config, program, {self._target_source()}))\n"
+            f"print({function}(config, program, {self._target_source()}))\n"
         )
 
     def regression_test(self) -> str:
         """A pytest file that fails while the disagreement is there."""
-        name = "test_regression_" + re.sub(r"\W+", "_", self.adapter).strip("_")
+        machine = "" if self.machine == OFFLOAD else f"{self.machine}_"
+        name = "test_regression_" + machine + re.sub(r"\W+", "_", self.adapter).strip("_")
         summary = f"Regression from a saved conformance failure of {self.adapter}:\n"
-        if self.adapter == "vllm":
+        if self.elsewhere:
             return self._vllm_regression_test(name, summary)
-        imports = (
-            "from kvoffload.model import OffloadConfig\n"
-            "from kvoffload.testing.lockstep import first_disagreement\n"
-        )
+        module, function = self._replay_source()
+        imports = f"from kvoffload.model import OffloadConfig\nfrom {module} import {function}\n"
         skip = ""
-        # impl-cuda needs a GPU: elsewhere the test skips.
-        if self.adapter == "impl-cuda":
+        # a target the machine running the test lacks (impl-cuda without a GPU): it skips
+        if self.adapter != MODEL_ALONE:
             imports = (
                 "import pytest\n\n"
                 "from kvoffload.model import OffloadConfig\n"
-                "from kvoffload.testing.adapters import adapters\n"
-                "from kvoffload.testing.lockstep import first_disagreement\n"
+                f"from {module} import {function}\n"
+                "from kvoffload.testing.targets import spec\n"
             )
             skip = (
-                "    if ADAPTER not in adapters():\n"
+                "    if not spec(ADAPTER).available():\n"
                 "        pytest.skip(f'the target {ADAPTER} is not available here')\n"
             )
         return (
@@ -259,21 +302,21 @@ class Failure:
             f"PROGRAM = {self._program_source()}\n\n\n"
             f"def {name}() -> None:\n"
             + skip
-            + f"    found = first_disagreement(CONFIG, PROGRAM, {self._target_source()})\n"
+            + f"    found = {function}(CONFIG, PROGRAM, {self._target_source()})\n"
             "    assert found is None, found\n"
         )
 
     def _vllm_regression_test(self, name: str, summary: str) -> str:
         """vLLM's failure as a pytest file for any environment kvoffload is installed in:
         the failure's program replayed on its own target (the release or tree in the
-        cache's environment, :mod:`kvoffload.testing.replaying`), or a skip saying in one
+        cache's environment, :mod:`kvoffload.replaying`), or a skip saying in one
         line what is missing. The failure is held as the text of its JSON (a literal)."""
         text = json.dumps(self.to_dict(), sort_keys=True)
         return (
             f"{_literal(summary + self.disagreement)}\n\n"
             "import json\n\n"
             "from kvoffload.testing.failure import validate\n"
-            "from kvoffload.testing.replaying import replay_or_skip\n\n"
+            "from kvoffload.replaying import replay_or_skip\n\n"
             f"FAILURE = validate(json.loads({_literal(text)}))\n\n\n"
             f"def {name}() -> None:\n"
             "    found = replay_or_skip(FAILURE)\n"
@@ -328,15 +371,15 @@ def _check_argument(kind: str, value: object, where: str) -> object:
     return list(value)
 
 
-def _check_call(n: int, call: object) -> tuple[Any, ...]:
+def _check_call(n: int, call: object, calls: dict[str, tuple[str, ...]]) -> tuple[Any, ...]:
     _expect(
         isinstance(call, list) and bool(call) and isinstance(call[0], str),
         f"program[{n}] must be a list starting with a call name, got {brief(call)}",
     )
     assert isinstance(call, list)
     name, *args = call
-    _expect(name in CALLS, f"program[{n}]: unknown call {brief(name)}; known: {sorted(CALLS)}")
-    kinds = CALLS[name]
+    _expect(name in calls, f"program[{n}]: unknown call {brief(name)}; known: {sorted(calls)}")
+    kinds = calls[name]
     required = sum(1 for kind in kinds if not kind.endswith("?"))
     takes = str(required) if required == len(kinds) else f"{required} to {len(kinds)}"
     _expect(
@@ -352,19 +395,22 @@ def _check_call(n: int, call: object) -> tuple[Any, ...]:
     )
 
 
-def _check_adapter(adapter: object) -> str:
-    from kvoffload.impl.faults import FAULTS
-
+def _check_adapter(adapter: object, machine: str) -> str:
+    """A target of the registry that ``machine`` drives (the scheduler machine: one with
+    vLLM's scheduler, or the model alone)."""
     _expect(isinstance(adapter, str), f"adapter must be a string, got {brief(adapter)}")
     assert isinstance(adapter, str)
-    known = adapter in ("impl", "impl-cuda", "vllm") or (
-        adapter.startswith("fault:") and adapter.removeprefix("fault:") in FAULTS
-    )
-    _expect(
-        known,
-        f"unknown adapter {brief(adapter)}; known: impl, impl-cuda, vllm, fault:NAME with NAME in "
-        f"{sorted(FAULTS)}",
-    )
+    if machine == SCHEDULER:
+        drivable = [MODEL_ALONE, *(name for name in names() if spec(name).scheduler is not None)]
+        _expect(
+            adapter in drivable,
+            f"the scheduler machine drives {', '.join(drivable)}, not {brief(adapter)}",
+        )
+        return adapter
+    try:
+        spec(adapter)
+    except UnknownTargetError as error:
+        raise FailureFileError(f"unknown adapter {brief(adapter)}; known: {error.known}") from None
     return adapter
 
 
@@ -438,7 +484,10 @@ def _check_target(target: object, adapter: str, release: str | None) -> dict[str
     folder, the digest of its sources), or an environment (vLLM's version and folder)."""
     if target is None:
         return None
-    _expect(adapter == "vllm", f"target names a vLLM target, but the adapter is {adapter!r}")
+    _expect(
+        adapter != MODEL_ALONE and spec(adapter).elsewhere,
+        f"target names a vLLM target, but the adapter is {adapter!r}",
+    )
     _expect(isinstance(target, dict), f"target must be an object, got {brief(target)}")
     assert isinstance(target, dict)
     kind = target.get("kind")
@@ -478,10 +527,26 @@ def validate(data: object) -> Failure:
     _expect(isinstance(data, dict), f"a failure must be a JSON object, got {type(data).__name__}")
     assert isinstance(data, dict)
     known = {"format", "adapter", "variant", "release", "target", "verdict", "seed", "config"}
-    known |= {"program", "rule_steps", "disagreement"}
+    known |= {"program", "rule_steps", "disagreement", "machine", "whole_sequence_admission"}
     _check_fields(data, known, ["adapter", "config", "program", "disagreement"], "")
-    _expect(data.get("format", FORMAT) == FORMAT, f"format {brief(data.get('format'))} is not 1")
-    adapter = _check_adapter(data["adapter"])
+    form = data.get("format", FORMAT)
+    _expect(
+        _is_int(form) and form in FORMATS,
+        f"format {brief(form)} is not one of {', '.join(map(str, FORMATS))}",
+    )
+    machine = data.get("machine", OFFLOAD)
+    _expect(
+        machine in MACHINES and (form > 1 or machine == OFFLOAD),
+        f"machine must be one of {sorted(MACHINES)} (format 1: offload), got {brief(machine)}",
+    )
+    assert isinstance(machine, str)
+    whole = data.get("whole_sequence_admission")
+    _expect(
+        isinstance(whole, bool) if machine == SCHEDULER else whole is None,
+        "whole_sequence_admission must be a bool for the scheduler machine, and absent for "
+        f"the others; got {brief(whole)}",
+    )
+    adapter = _check_adapter(data["adapter"], machine)
     variant = data.get("variant", "fixed")
     _expect(
         isinstance(variant, str) and is_variant(variant),
@@ -494,7 +559,7 @@ def validate(data: object) -> Failure:
         len(program) <= MAX_PROGRAM_CALLS,
         f"program has {len(program)} calls, more than the {MAX_PROGRAM_CALLS} a failure may hold",
     )
-    calls = tuple(_check_call(n, call) for n, call in enumerate(program))
+    calls = tuple(_check_call(n, call, MACHINES[machine]) for n, call in enumerate(program))
     rule_steps = data.get("rule_steps", len(calls))
     _expect(
         _is_int(rule_steps) and 0 <= rule_steps <= MAX_PROGRAM_CALLS,
@@ -522,6 +587,8 @@ def validate(data: object) -> Failure:
         release,
         seed,
         target,
+        machine,
+        whole,
     )
     verdict = data.get("verdict", failure.verdict)
     _expect(
@@ -567,7 +634,7 @@ def load(path: str | Path) -> Failure:
 
 def save(failure: Failure, folder: Path | None = None) -> Path:
     """Write ``failure`` to its file (:attr:`Failure.file_name`) under ``folder`` (default:
-    :func:`kvoffload.isolation.failures_folder`, the caller's even in a subprocess)."""
+    :func:`kvoffload.testing.isolation.failures_folder`, the caller's even in a subprocess)."""
     folder = folder if folder is not None else failures_folder()
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / failure.file_name

@@ -26,10 +26,9 @@ from kvoffload.testing.adapters import (
     HoldsBytes,
     Injectable,
     Target,
-    adapters,
-    expected_variant,
 )
 from kvoffload.testing.failure import MODEL_BROKE_WORDS
+from kvoffload.testing.targets import spec, variant_of
 
 Call = tuple[Any, ...]
 
@@ -88,6 +87,12 @@ def outcome(target: OffloadModel | Target, call: Call) -> object:
         raise
     except (KVOffloadError, ValueError, AssertionError) as error:
         return as_outcome(error)
+
+
+def model_broke_at(broken: InvariantViolation, call: Call, n: int) -> str:
+    """A broken invariant of the model at call ``n``, as every machine words it
+    (:data:`~kvoffload.testing.failure.MODEL_BROKE_WORDS`: a verdict of its own)."""
+    return f"{MODEL_BROKE_WORDS}{broken.invariant} at call {n} {call}: {broken.detail}"
 
 
 def target_outcome(target: Target, call: Call) -> object:
@@ -184,7 +189,7 @@ def compare(
         # The specification itself is wrong on this program: a verdict of its own (exit
         # status 3), found, shrunk and saved like a difference (issue 35); the target is not
         # asked, since there is nothing right to compare it with.
-        return f"{MODEL_BROKE_WORDS}{broken.invariant} at call {n} {call}: {broken.detail}"
+        return model_broke_at(broken, call, n)
     actual = target_outcome(impl, call)
     results = None
     if expected != actual:
@@ -267,15 +272,15 @@ def first_disagreement(
     lockstep: bool = True,
 ) -> str | None:
     """None when the implementation conforms on ``program``; else what differed first.
-    ``adapter`` names another target (``kvoffload.testing.adapters``), compared with
+    ``adapter`` names another target (:mod:`kvoffload.testing.targets`), compared with
     ``variant`` of the model (default: the variant it is expected to match). The
     implementation runs in lockstep mode unless ``lockstep`` is False (copies on a thread)."""
     factory: Callable[[OffloadConfig], Target] = (
-        adapters()[adapter]
+        spec(adapter).build
         if adapter is not None
         else lambda c: OffloadImpl(c, faults=faults, device=device, lockstep=lockstep)
     )
-    return disagreement(factory, variant or expected_variant(adapter or "impl"), config, program)
+    return disagreement(factory, variant_of(adapter or "impl", variant), config, program)
 
 
 def disagreement(

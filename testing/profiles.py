@@ -2,7 +2,7 @@
 ``ci`` (derandomized, no example database) and ``nightly`` (long campaigns). With ``CI`` set
 Hypothesis would otherwise load a profile of its own; ``load()`` chooses ours. The example
 database lives under ``.hypothesis/`` (of the caller's folder for an isolated subprocess:
-:func:`kvoffload.isolation.database_folder`)."""
+:func:`kvoffload.testing.isolation.database_folder`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import os
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 
-from kvoffload.isolation import database_folder
+from kvoffload.testing.isolation import database_folder
 
 
 def without_local_constants() -> None:

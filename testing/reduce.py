@@ -19,9 +19,12 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 from kvoffload.model import InvariantViolation
-from kvoffload.testing.failure import model_broke
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.errors import ConfigError
+from kvoffload.testing.failure import Failure, model_broke
 from kvoffload.testing.lockstep import Call
 
 
@@ -83,3 +86,77 @@ def replay(disagrees: Callable[[list[Call]], str | None], program: list[Call]) -
         return disagrees(program)
     except InvariantViolation:
         return None
+
+
+Checker = Callable[[OffloadConfig], Callable[[list[Call]], str | None]]
+# (configuration, program, its difference) -> the program regrouped into the machine's
+# rules, its difference, and its count of rules
+Regrouper = Callable[[OffloadConfig, list[Call], str], tuple[list[Call], str, int]]
+
+
+def reduced(failure: Failure, disagrees: Checker, regroup: Regrouper | None = None) -> Failure:
+    """``failure`` after the call-level pass, replayed by ``disagrees`` (the machine's own
+    target and model variant in a configuration), in the simplest configuration in which a
+    program still disagrees the same way (:func:`simplest`), then regrouped into the
+    machine's rules where it says how; as it was if it does not replay (a flaky failure is
+    reported as Hypothesis found it)."""
+    config, program, found = simplest(failure.config, list(failure.program), disagrees)
+    if found is None or model_broke(found) != failure.broken_invariant:
+        # (a verdict's class is kept: a model that broke an invariant stays one, and a
+        # difference stays a difference, whatever a replay of another kind shows)
+        return failure
+    rules = len(program)  # every call its own rule at most
+    if regroup is not None:
+        program, found, rules = regroup(config, program, found)
+    return replace(
+        failure,
+        config=config,
+        program=tuple(program),
+        disagreement=found,
+        rule_steps=min(failure.rule_steps, rules),
+    )
+
+
+def simplest(
+    config: OffloadConfig, program: list[Call], disagrees: Checker
+) -> tuple[OffloadConfig, list[Call], str | None]:
+    """The configuration made as simple as :func:`simpler_config` can, the program reduced
+    in it; then, since a program may need a call in its configuration that the simpler one
+    must not have (a lazy program's extra step that stores a block, say), each call left
+    out once more with the simpler configuration tried on what remains."""
+    found = replay(disagrees(config), program)
+    if found is None:
+        return config, program, None
+    wanted = kind(found)
+    config = simpler_config(config, program, disagrees, wanted)
+    program, found = reduce_program(program, disagrees(config))
+    for i in range(len(program)):
+        without = program[:i] + program[i + 1 :]
+        simpler = simpler_config(config, without, disagrees, wanted)
+        if simpler != config:
+            # The configuration lattice is finite: each recursion lifts one more setting.
+            return simplest(simpler, without, disagrees)
+    return config, program, found
+
+
+def simpler_config(
+    config: OffloadConfig, program: Sequence[Call], disagrees: Checker, wanted: str
+) -> OffloadConfig:
+    """``config`` made simpler where ``program`` still disagrees in the same way (``wanted``,
+    a :func:`~kvoffload.testing.reduce.kind`): eager instead of lazy, one worker instead of
+    several. Hypothesis shrinks the choices that drew a program; a choice drawn first (the
+    configuration) can rarely change without changing what every later choice means, so a
+    lazy counterexample of an eager bug stays lazy, and longer, unless the configuration is
+    tried on its own. One rank of decode context parallelism instead of two, too."""
+    for change in ({"lazy": False}, {"dcp_world_size": 1}, {"world_size": 1}):
+        # Each only lifts restrictions: a target that takes the configuration takes these.
+        try:
+            candidate = replace(config, **change)
+        except ConfigError:  # one worker, where decode context parallelism needs two
+            continue
+        if candidate == config:
+            continue
+        result = replay(disagrees(candidate), list(program))
+        if result is not None and kind(result) == wanted:
+            config = candidate
+    return config

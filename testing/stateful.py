@@ -12,15 +12,12 @@ explains each rule.
 
 from __future__ import annotations
 
-import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hypothesis import assume
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
+from hypothesis.stateful import initialize, precondition, rule
 
 from kvoffload.model import OffloadConfig, OffloadModel, SetupError
 from kvoffload.model.invariants import exercised
@@ -28,18 +25,12 @@ from kvoffload.model.keys import prefix_digests
 from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.validate import MAX_TOKEN_ID
 from kvoffload.model.variants import keeps_invariants
-from kvoffload.testing.adapters import (
-    Adapter,
-    Target,
-    adapters,
-    expected_variant,
-    takes_reset,
-    takes_stats,
-    unsupported,
-)
+from kvoffload.testing.adapters import Adapter, Target
 from kvoffload.testing.failure import Failure, validate
 from kvoffload.testing.lockstep import Call, as_outcome, compare, outcome, target_outcome
+from kvoffload.testing.machine import LockstepMachine, Recorder
 from kvoffload.testing.profiles import without_local_constants
+from kvoffload.testing.targets import TargetSpec, spec, variant_of
 
 # (group block sizes, hash block size, sliding windows, attention chunks): full attention,
 # then hybrid layouts with one sliding-window group whose window the prompts slide past. A
@@ -122,49 +113,6 @@ SETUP = initialize(
 )
 
 
-@dataclass
-class Recorder:
-    """What a campaign saw: programs, steps, rule and invariant counts, the last failure."""
-
-    programs: int = 0
-    steps: int = 0  # driver calls
-    rule_steps: int = 0  # Hypothesis steps (rules run, the initial request included)
-    rules: dict[str, int] = field(default_factory=dict)
-    invariants: dict[str, int] = field(default_factory=dict)
-    started: float = field(default_factory=time.perf_counter)
-    first_failure: float | None = None
-    first_failing_program: int | None = None  # 1 when the very first program failed
-    failure: dict[str, Any] | None = None
-    # per kind of layout ("full attention", "hybrid"): programs run, their driver calls and
-    # the seconds spent in them
-    layout_programs: dict[str, int] = field(default_factory=dict)
-    layout_calls: dict[str, int] = field(default_factory=dict)
-    layout_seconds: dict[str, float] = field(default_factory=dict)
-    # called as each program ends (a campaign's progress), if set
-    on_program: Callable[[Recorder], None] | None = None
-
-    def count(self, table: dict[str, int], key: str) -> None:
-        table[key] = table.get(key, 0) + 1
-
-    def timed(self, layout: str, calls: int, seconds: float) -> None:
-        """One program of ``layout``'s kind made ``calls`` driver calls in ``seconds``, setup
-        to teardown."""
-        self.count(self.layout_programs, layout)
-        self.layout_calls[layout] = self.layout_calls.get(layout, 0) + calls
-        self.layout_seconds[layout] = self.layout_seconds.get(layout, 0.0) + seconds
-        if self.on_program is not None:
-            self.on_program(self)
-
-    def speeds(self) -> dict[str, tuple[float, float]]:
-        """Per kind of layout, programs and driver calls per second of the time spent in
-        them."""
-        return {
-            layout: (n / seconds, self.layout_calls[layout] / seconds)
-            for layout, n in sorted(self.layout_programs.items())
-            if (seconds := self.layout_seconds.get(layout, 0.0)) > 0
-        }
-
-
 def busy(model: OffloadModel) -> bool:
     """Whether the engine has work left: a live request, a completion owed, a store queued."""
     return bool(
@@ -193,11 +141,11 @@ def settle_calls(model: OffloadModel, budget: int, reports_stats: bool) -> list[
     return calls
 
 
-class ConformanceMachine(RuleBasedStateMachine):
+class ConformanceMachine(LockstepMachine):
     """Subclass with ``adapter`` set, or use :func:`machine_for`."""
 
     adapter_name: ClassVar[str] = "impl"
-    variant: ClassVar[str] = "fixed"  # the model variant the target is compared with
+    target_spec: ClassVar[TargetSpec]  # the registry's row of the target
     injects: ClassVar[bool] = True  # the target takes injected faults
     resets: ClassVar[bool] = True  # the target has reset() (vLLM's offload code from 0.24.0)
     reports_stats: ClassVar[bool] = True  # the target has stats() (vLLM's from 0.31.0)
@@ -206,9 +154,7 @@ class ConformanceMachine(RuleBasedStateMachine):
     # ``kvoffload bench`` beside it
     checks: ClassVar[bool] = True
     adapter: ClassVar[Adapter]
-    recorder: ClassVar[Recorder] = Recorder()
 
-    config: OffloadConfig
     model: OffloadModel
     target: Target
 
@@ -234,7 +180,7 @@ class ConformanceMachine(RuleBasedStateMachine):
             dcp = 1
         # The DCP ranks split the tensor-parallel world: an odd world is made even for two.
         world_size += world_size % dcp
-        self.config = OffloadConfig(
+        config = OffloadConfig(
             gpu_blocks,
             cpu_blocks,
             groups,
@@ -248,74 +194,53 @@ class ConformanceMachine(RuleBasedStateMachine):
             mamba=mamba,
         )
         # vLLM rejects some layouts (one group hashed in smaller blocks): not drawn for it.
-        assume(unsupported(type(self).adapter_name, self.config) is None)
+        assume(type(self).target_spec.unsupported(config) is None)
         # A variant with a bug breaks invariants by design: it is compared, not checked.
         variant = type(self).variant
         self.model = OffloadModel(
-            self.config, variant=variant, check=keeps_invariants(variant) and type(self).checks
+            config, variant=variant, check=keeps_invariants(variant) and type(self).checks
         )
         try:
-            self.target = type(self).adapter(self.config)
+            self.target = type(self).adapter(config)
         except Exception as error:
             # Not a verdict on the target: the environment cannot build it (vLLM missing a
             # variable or a module, a device that is not there).
             raise SetupError(
-                f"the target {type(self).adapter_name} cannot be built for {self.config}: "
+                f"the target {type(self).adapter_name} cannot be built for {config}: "
                 f"{as_outcome(error)}"
             ) from error
-        self.program: list[Call] = []
-        self.started = started
-        self.layout_kind = "hybrid" if windows or chunks or mamba else "full attention"
-        self.next_id = 0
-        self.prompts: list[list[int]] = []
-        self.rule_steps = 0
-        type(self).recorder.programs += 1
-        type(self).recorder.failure = None  # what a failing example leaves is its own
+        self.begin(config, "hybrid" if windows or chunks or mamba else "full attention", started)
         self.admit(first, 2, "add_request")
 
-    def run(self, call: Call, rule_name: str, continued: bool = False) -> None:
-        """Apply ``call`` to both sides and compare. ``continued``: the call is not the first
-        of its rule (rules that make several calls count as one step when shrunk)."""
-        rec = type(self).recorder
-        rec.steps += 1
-        self.program.append(call)
-        if not continued:
-            rec.count(rec.rules, rule_name)
-            self.rule_steps += 1
-            rec.rule_steps += 1
+    def check(self, call: Call, n: int) -> str | None:
         if not type(self).checks:
             outcome(self.model, call)
             target_outcome(self.target, call)
-            return
-        found = compare(self.model, self.target, call, len(self.program) - 1)
+            return None
+        found = compare(self.model, self.target, call, n)
+        rec = type(self).recorder
         for invariant in exercised(self.model.engine):
             rec.count(rec.invariants, invariant)
-        if found:
-            if rec.first_failure is None:
-                rec.first_failure = time.perf_counter() - rec.started
-                rec.first_failing_program = rec.programs
-            failure = Failure(
-                type(self).adapter_name,
-                type(self).variant,
-                self.config,
-                tuple(self.program),
-                self.rule_steps,
-                found,
-                release=target_release(type(self).adapter_name),
-                target=target_identity(type(self).adapter_name),
-            )
-            rec.failure = failure.to_dict()
-            raise AssertionError(f"{found}\n\nreproduce with:\n{failure.reproducer()}")
+        return found
 
-    def teardown(self) -> None:
+    def failure(self, found: str) -> Failure:
+        row = type(self).target_spec
+        return Failure(
+            type(self).adapter_name,
+            type(self).variant,
+            self.config,
+            tuple(self.program),
+            self.rule_steps,
+            found,
+            release=row.release(),
+            target=row.identity(),
+        )
+
+    def close_target(self) -> None:
         # A target that holds threads or devices lets them go with its program.
         close = getattr(getattr(self, "target", None), "close", None)
         if close is not None:
             close()
-        if hasattr(self, "layout_kind"):  # a program whose setup ran
-            type(self).recorder.timed(
-                self.layout_kind, len(self.program), time.perf_counter() - self.started
-            )
 
     def fits(self, tokens: list[int], max_tokens: int) -> bool:
         """Whether a request can run alone in one chunk: every group holding a block per
@@ -653,47 +578,30 @@ def machine_for(
     with ``variant`` of the model (default: the one the adapter is expected to match);
     with ``loads``, the machine with the ``evict`` rule; without ``checks``, the same rules
     and calls with nothing compared or checked (a floor for measurements only)."""
-    factory = adapters()[adapter_name]
-    compared_with = variant or expected_variant(adapter_name)
+    row = spec(adapter_name)
+    compared_with = variant_of(adapter_name, variant)
     # The class name keys Hypothesis's example database: one entry per target, release and
     # model variant, so that each check replays its own earlier failures first. It also
     # seeds a derandomized run: the unchecked machine keeps it, so that it runs the very
     # programs the conformance machine runs (under another name, other ones: 4985 driver
     # calls for 5608 in the bench's 100 programs, and a floor a third too high).
-    release = target_release(adapter_name)
+    release = row.release()
     target = f"{adapter_name}=={release}" if release else adapter_name
     return type(
         f"Conformance[{target} vs {compared_with}]",
         (LoadingConformanceMachine if loads else ConformanceMachine,),
         {
             "adapter_name": adapter_name,
-            "adapter": staticmethod(factory),
+            "target_spec": row,
+            "adapter": staticmethod(row.build),
             "recorder": recorder or Recorder(),
             "variant": compared_with,
-            "injects": adapter_name != "vllm",
-            "resets": takes_reset(adapter_name),
-            "reports_stats": takes_stats(adapter_name),
+            "injects": row.injects,
+            "resets": row.resets(),
+            "reports_stats": row.reports_stats(),
             "checks": checks,
         },
     )
-
-
-def target_release(adapter_name: str) -> str | None:
-    """The vLLM release a ``vllm`` target runs (set by its release environment), else None."""
-    if adapter_name != "vllm":
-        return None
-    return os.environ.get("KVOFFLOAD_VLLM_VERSION") or None
-
-
-def target_identity(adapter_name: str) -> dict[str, str] | None:
-    """The vLLM target a ``vllm`` adapter runs, exactly (a release, a tree by its sources'
-    digest, an environment), as its process was told; else None."""
-    if adapter_name != "vllm":
-        return None
-    from kvoffload.upstream.targets import running_identity
-
-    identity = running_identity()
-    return None if identity is None else {k: v for k, v in identity.items() if v is not None}
 
 
 def reproducer(failure: dict[str, Any]) -> str:

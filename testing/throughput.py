@@ -24,6 +24,7 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
+from kvoffload.testing.machine import Recorder
 from kvoffload.testing.stateful import (
     BUDGETS,
     MAX_TOKENS,
@@ -32,7 +33,6 @@ from kvoffload.testing.stateful import (
     SETUP,
     SKIP_READING,
     TAILS,
-    Recorder,
     machine_for,
 )
 

@@ -2,7 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from kvoffload.model import OffloadConfig, OffloadModel
+from kvoffload.testing.targets import TargetSpec, register, unregister
+
+
+@contextlib.contextmanager
+def registered(row: TargetSpec) -> Iterator[TargetSpec]:
+    """``row`` in the target registry while the block runs, as a user's own target is."""
+    register(row)
+    try:
+        yield row
+    finally:
+        unregister(row.name)
 
 
 def config(

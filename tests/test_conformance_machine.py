@@ -12,8 +12,9 @@ from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 
 from kvoffload.model import OffloadConfig
+from kvoffload.replaying import run_replay
 from kvoffload.testing import profiles
-from kvoffload.testing.campaign import run_campaign, run_replay
+from kvoffload.testing.campaign import run_campaign
 from kvoffload.testing.lockstep import Call, first_disagreement
 from kvoffload.testing.stateful import machine_for
 

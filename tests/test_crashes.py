@@ -15,11 +15,12 @@ from kvoffload.main import main
 from kvoffload.model import FinishResult, OffloadConfig, SetupError
 from kvoffload.model.snapshot import Snapshot
 from kvoffload.testing import campaign
-from kvoffload.testing.adapters import Adapter, adapters
+from kvoffload.testing.adapters import Adapter
 from kvoffload.testing.failure import validate
 from kvoffload.testing.lockstep import compare
+from kvoffload.testing.targets import TargetSpec
 
-from helpers import make
+from helpers import make, registered
 
 
 class CrashesOnFinish(OffloadImpl):
@@ -61,22 +62,20 @@ def test_a_snapshot_that_raises_is_a_disagreement() -> None:
     )
 
 
-def _with_adapter(monkeypatch: pytest.MonkeyPatch, factory: Adapter) -> None:
-    """The name ``impl`` stands for ``factory`` in campaigns."""
-    known = adapters() | {"impl": factory}
-    monkeypatch.setattr("kvoffload.testing.stateful.adapters", lambda: known)
-    monkeypatch.setattr("kvoffload.testing.campaign.adapters", lambda: known)
+def _target(name: str, factory: Adapter) -> TargetSpec:
+    """``factory`` as a target of the registry, as a user registers one."""
+    return TargetSpec(name, factory, f"the test's target {name}")
 
 
 def test_a_campaign_shrinks_a_crash_and_saves_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    _with_adapter(monkeypatch, CrashesOnFinish)
     small = settings(max_examples=200, stateful_step_count=20, deadline=None, database=None)
-    result = campaign.run_campaign("impl", small, seed=1)
-    assert not result.conforms and result.failure is not None
-    failure = validate(result.failure)
+    with registered(_target("crashes-on-finish", CrashesOnFinish)):
+        result = campaign.run_campaign("crashes-on-finish", small, seed=1)
+        assert not result.conforms and result.failure is not None
+        failure = validate(result.failure)  # (a failure file names a registered target)
     assert "IndexError: list index out of range" in failure.disagreement
     assert failure.program[-1][0] == "finish" and len(failure.program) <= 3
     assert result.saved is not None and result.saved.exists()
@@ -90,13 +89,16 @@ def test_a_target_that_cannot_be_built_is_a_broken_setup(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.chdir(tmp_path)
-    _with_adapter(monkeypatch, _cannot_build)
     small = settings(max_examples=5, deadline=None, database=None)
-    with pytest.raises(SetupError, match="KeyError: 'KVOFFLOAD_VLLM_MODEL'"):
-        campaign.run_campaign("impl", small, seed=1)
-    assert main(["verify", "--target", "impl", "--seconds", "1", "--no-mutants"]) == 3
+    with registered(_target("cannot-build", _cannot_build)):
+        with pytest.raises(SetupError, match="KeyError: 'KVOFFLOAD_VLLM_MODEL'"):
+            campaign.run_campaign("cannot-build", small, seed=1)
+        verify = ["verify", "--target", "cannot-build", "--seconds", "1", "--no-mutants"]
+        assert main(verify) == 3
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("kvoffload verify: broken setup: the target impl cannot be built")
+    assert err[-1].startswith(
+        "kvoffload verify: broken setup: the target cannot-build cannot be built"
+    )
 
 
 def test_verify_prints_the_seed_and_where_it_saved_the_failure(

@@ -171,7 +171,7 @@ def _bad_shapes() -> list[tuple[str, dict[str, Any], str]]:
             "rule_steps must be an int from 0 to 10000",
         ),
         ("bad seed", _failure(seed="7"), "seed must be an int or null"),
-        ("other format", _failure(format=2), "format 2 is not 1"),
+        ("other format", _failure(format=3), "format 3 is not one of 1, 2"),
         (
             "too long a program",
             _failure(program=[["step", 1]] * 10_001),

@@ -26,11 +26,11 @@ import pytest
 from redis import Redis
 from redis.exceptions import RedisError
 
-from kvoffload import isolation
+from kvoffload.fuzz import open_database, redacted, run_fuzz, run_worker, scrubbed
 from kvoffload.main import main
 from kvoffload.model.errors import ConfigError, SetupError
 from kvoffload.model.limits import MAX_SECONDS, cores
-from kvoffload.testing.fuzz import open_database, redacted, run_fuzz, run_worker, scrubbed
+from kvoffload.testing import isolation
 
 SERVER = shutil.which("redis-server")
 OPENSSL = shutil.which("openssl")
@@ -209,7 +209,7 @@ def test_fuzz_with_credentials_shows_them_nowhere(
     # variable (it goes on their standard input).
     assert len(started) == workers
     for command, options in started:
-        assert command[1:] == ["-P", "-m", "kvoffload.testing.fuzz"]
+        assert command[1:] == ["-P", "-m", "kvoffload.fuzz"]
         assert options["stdin"] == subprocess.PIPE
         assert Path(options["cwd"]).is_absolute() and Path(options["cwd"]) != tmp_path
         assert not Path(options["cwd"]).exists()  # removed once the run ended

@@ -1,5 +1,5 @@
 """Nothing kvoffload starts runs code from the folder it was started in, or from the caller's
-``PYTHON*`` variables (issue 35, kvoffload.isolation): a failure file unpacked from a CI
+``PYTHON*`` variables (issue 35, kvoffload.testing.isolation): a failure file unpacked from a CI
 artifact beside a planted ``kvoffload/`` package, a ``json.py`` or a ``multiprocessing.py``
 is replayed, verified and fuzzed with none of them imported; a release's process imports
 its own environment's packages and nothing of the caller's."""
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvoffload import isolation
+from kvoffload.testing import isolation
 from kvoffload.upstream.install import Cache, default_cache
 
 KVOFFLOAD = str(Path(sys.executable).parent / "kvoffload")

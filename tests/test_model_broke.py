@@ -15,6 +15,9 @@ from kvoffload.main import main
 from kvoffload.testing import lockstep, stateful
 from kvoffload.testing.campaign import run_campaign, run_verify
 from kvoffload.testing.failure import MODEL_BROKE, load, model_broke
+from kvoffload.testing.targets import TargetSpec, spec
+
+from helpers import registered
 
 # The model with the missing final flush of vLLM #53498 breaks its invariants by design; held
 # to them as if it kept them, it is a broken specification the machine must report as such.
@@ -54,12 +57,15 @@ def test_the_model_breaking_an_invariant_is_saved_shrunk_and_replayable(
 def test_verify_says_the_model_broke_and_exits_3(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
 ) -> None:
-    monkeypatch.setattr(stateful, "expected_variant", lambda adapter: BROKEN)
     report = tmp_path / "verdict.json"
-    status = run_verify("fast", None, "impl", False, seed=3, json_path=str(report))
+    # a target compared with the broken specification, as a user registers one
+    row = TargetSpec("impl-vs-broken", spec("impl").build, "impl held to BROKEN", lambda: BROKEN)
+    with registered(row):
+        status = run_verify("fast", None, row.name, False, seed=3, json_path=str(report))
     assert status == 3
     out = capsys.readouterr().out
-    assert "conformance of impl: the model broke " in out and "a bug of the specification" in out
+    assert f"conformance of {row.name}: the model broke " in out
+    assert "a bug of the specification" in out
     verdict = json.loads(report.read_text())
     assert verdict["exit_status"] == 3 and verdict["verdict"].startswith("the model broke ")
     assert verdict["failure"]["verdict"] == MODEL_BROKE

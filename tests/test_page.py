@@ -19,8 +19,9 @@ import pytest
 from kvoffload.impl import OffloadImpl
 from kvoffload.model import OffloadConfig, StepResult
 from kvoffload.testing import lockstep, page
-from kvoffload.testing.adapters import Target, adapters
+from kvoffload.testing.adapters import Target
 from kvoffload.testing.failure import Failure, validate
+from kvoffload.testing.targets import adapters
 
 FAULT = "no-final-flush"
 # The shrunk counterexample of the fault (docs/bugs.md): a request finishes in the step that

@@ -1,6 +1,6 @@
 """Long work says it goes on, in a form a CI log keeps readable: a line of its own per update
 (at most one per interval, the last always shown), never a carriage return, where the output
-is not a terminal (kvoffload.progress)."""
+is not a terminal (kvoffload.testing.progress)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvoffload.progress import Progress
+from kvoffload.testing.progress import Progress
 
 
 class Terminal(io.StringIO):

@@ -202,16 +202,19 @@ def test_a_tree_without_the_shared_environment_is_an_error_at_setup(tmp_path: Pa
 
 
 def test_a_target_that_cannot_be_built_is_an_error_at_setup(tmp_path: Path) -> None:
-    # This run's conftest breaks the implementation's construction.
+    # This run's conftest registers a target whose construction fails, as a user registers
+    # their own.
     (tmp_path / "conftest.py").write_text(
-        "from kvoffload.testing import adapters\n"
+        "from kvoffload.testing.targets import TargetSpec, register\n"
         "def _broken(config):\n"
         "    raise RuntimeError('no memory for the pools')\n"
-        "adapters.adapters = lambda: {'impl': _broken}\n"
+        "register(TargetSpec('broken', _broken, 'a target that cannot be built'))\n"
     )
-    run = _pytest(tmp_path, "--kvoffload-target=impl", "--kvoffload-only")
-    line = _errors_at_setup(run, "impl")
-    assert line.startswith("broken setup: impl cannot be built here, even on OffloadConfig("), line
+    run = _pytest(tmp_path, "--kvoffload-target=broken", "--kvoffload-only")
+    line = _errors_at_setup(run, "broken")
+    assert line.startswith("broken setup: broken cannot be built here, even on OffloadConfig("), (
+        line
+    )
     assert line.endswith("RuntimeError('no memory for the pools')"), line
 
 

@@ -7,10 +7,10 @@ from collections.abc import Callable
 from typing import Any
 
 from kvoffload.model import OffloadConfig
-from kvoffload.testing.campaign import reduced, regrouped, rules_of, simpler_config, simplest
+from kvoffload.testing.campaign import reduced, regrouped, rules_of
 from kvoffload.testing.failure import Failure
 from kvoffload.testing.lockstep import Call, disagreement, first_disagreement
-from kvoffload.testing.reduce import kind, reduce_program
+from kvoffload.testing.reduce import kind, reduce_program, simpler_config, simplest
 from kvoffload.testing.stateful import machine_for
 
 

@@ -13,8 +13,8 @@ from kvoffload.model import OffloadConfig, OffloadModel
 from kvoffload.model.engine import VLLM_SCHEDULING, Scheduling
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
 from kvoffload.testing import profiles
-from kvoffload.upstream.scheduler import model_call
-from kvoffload.upstream.scheduler_machine import run_scheduler_check
+from kvoffload.testing.scheduler_lockstep import model_call
+from kvoffload.testing.scheduler_machine import run_scheduler_check
 
 VARIANT = "inclusive-cpu+window-stale-ids+reset-gpu-only"  # 0.34.0's row
 

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvoffload.testing.stateful import Recorder, machine_for
+from kvoffload.testing.machine import Recorder
+from kvoffload.testing.stateful import machine_for
 from kvoffload.testing.throughput import Throughput, TrivialMachine, measure, report
 
 

@@ -17,8 +17,8 @@ from kvoffload.model.keys import BlockKey, prefix_digests
 from kvoffload.model.variants import is_variant, keeps_invariants
 from kvoffload.upstream.check import check_release, judge
 from kvoffload.upstream.install import Cache, default_cache
-from kvoffload.upstream.keymap import KeyMap
-from kvoffload.upstream.releases import RELEASES, Check, release
+from kvoffload.vllm_target.keymap import KeyMap
+from kvoffload.vllm_target.releases import RELEASES, Check, release
 
 from scenarios import SCENARIOS
 

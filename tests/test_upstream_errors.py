@@ -43,7 +43,7 @@ BAD_CALLS = [
 SCRIPT = """
 import json
 from kvoffload.model import OffloadConfig, OffloadModel
-from kvoffload.upstream.target import VllmOffload
+from kvoffload.vllm_target.offload import VllmOffload
 
 HUGE = 10**5000
 
@@ -89,7 +89,7 @@ def test_vllms_adapter_refuses_a_reset_that_preempts_saying_where_it_runs() -> N
         """
         import json
         from kvoffload.model import InvalidArgumentError, OffloadConfig
-        from kvoffload.upstream.target import VllmOffload
+        from kvoffload.vllm_target.offload import VllmOffload
         vllm = VllmOffload(OffloadConfig(32, 16, (16,), 16, 1))
         before = vllm.snapshot()
         try:

@@ -18,7 +18,7 @@ from kvoffload.model.variants import is_variant
 from kvoffload.upstream import history
 from kvoffload.upstream.bugs import BUGS, HistoricalBug, select
 from kvoffload.upstream.install import Cache
-from kvoffload.upstream.releases import RELEASES, Check, release_numbers
+from kvoffload.vllm_target.releases import RELEASES, Check, release_numbers
 
 from helpers import found_in_release
 from scenarios import SCENARIOS

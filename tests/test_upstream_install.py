@@ -9,7 +9,8 @@ import pytest
 
 import kvoffload
 from kvoffload.model.errors import ConfigError
-from kvoffload.upstream.install import Cache, environment_stamp, install, parse_target
+from kvoffload.upstream.install import Cache, environment_stamp, install
+from kvoffload.vllm_target.forms import parse_target
 
 
 def test_a_target_names_one_release() -> None:
@@ -48,7 +49,7 @@ def test_an_environment_missing_a_dependency_is_installed_over(
         "kvoffload.upstream.install._pip",
         lambda python, what, *args, log=True: installed.append(args),
     )
-    monkeypatch.setattr("kvoffload.isolation.subprocess.run", lambda *a, **k: None)
+    monkeypatch.setattr("kvoffload.testing.isolation.subprocess.run", lambda *a, **k: None)
     install("0.21.0", cache, log=False)
     assert len(installed) == 1 and "gguf" in installed[0]  # the list again, nothing else
     assert (cache.env / ".ready").read_text() == environment_stamp()

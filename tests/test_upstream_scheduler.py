@@ -1,20 +1,24 @@
 """vLLM 0.34.0's own ``Scheduler`` (with the SimpleCPUOffload connector its factory builds)
 against the model, call by call: the tokens each step schedules, the connector metadata it
 sends, and the snapshot of both pools, the offload manager and the live requests
-(``kvoffload.upstream.scheduler``; docs/upstream.md). The programs run where vLLM 0.34.0 is
+(``kvoffload.vllm_target.scheduler``; docs/upstream.md). The programs run where vLLM 0.34.0 is
 installed, in its release environment."""
 
 from __future__ import annotations
 
 import textwrap
+from pathlib import Path
 from typing import Any
 
 import pytest
 from test_scheduling import FULL_SEQUENCE, HOLDERS, PREEMPTED_LOAD, RESERVED, WEIGHT_UPDATE
 
+from kvoffload.main import main
 from kvoffload.model import OffloadConfig
 from kvoffload.model.errors import InvalidArgumentError
-from kvoffload.upstream.scheduler import VllmScheduler, first_difference
+from kvoffload.testing.failure import load
+from kvoffload.testing.scheduler_lockstep import first_difference
+from kvoffload.vllm_target.scheduler import VllmScheduler
 
 from helpers import found_in_release
 
@@ -104,7 +108,7 @@ def test_vllm_schedules_as_the_model_does() -> None:
         f"""
         import json
         from kvoffload.model import OffloadConfig
-        from kvoffload.upstream.scheduler import first_difference_between
+        from kvoffload.testing.scheduler_lockstep import first_difference_between
         for config, program, theirs, ours, _ in {CASES!r}:
             found = first_difference_between(eval(config), program, {VARIANT!r}, theirs, ours)
             print(json.dumps({{"found": found}}))
@@ -119,15 +123,19 @@ def test_vllm_schedules_as_the_model_does() -> None:
             assert got is not None and got.startswith(expected), got
 
 
-def test_the_machine_over_vllms_scheduler_conforms_and_finds_57727() -> None:
+def test_the_machine_over_vllms_scheduler_conforms_and_finds_57727(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """A short campaign conforms against 0.34.0's variant, and finds the prefix-cache reset
-    of vLLM #57727 against the model's own rule (the check's disagreement is reachable)."""
+    of vLLM #57727 against the model's own rule (the check's disagreement is reachable);
+    the failure is saved in the one format and replayed on the release it came from."""
+    monkeypatch.setenv("KVOFFLOAD_FAILURES", str(tmp_path))
     script = textwrap.dedent(
         f"""
         import json
         from hypothesis import settings
         from kvoffload.testing import profiles
-        from kvoffload.upstream.scheduler_machine import run_scheduler_check
+        from kvoffload.testing.scheduler_machine import run_scheduler_check
         profile = settings(profiles.get("ci"), max_examples=160)
         for variant in ({VARIANT!r}, "inclusive-cpu+window-stale-ids"):
             result = run_scheduler_check(variant, profile, None)
@@ -137,6 +145,14 @@ def test_the_machine_over_vllms_scheduler_conforms_and_finds_57727() -> None:
     conforming, reset = found_in_release("0.34.0", script)
     assert conforming is None, conforming
     assert reset is not None and "reset_prefix_cache" in reset, reset
+    (saved,) = tmp_path.glob("scheduler-vllm-0.34.0-*.json")
+    failure = load(saved)
+    assert failure.machine == "scheduler" and failure.disagreement == reset
+    assert failure.target_identity == {"kind": "release", "version": "0.34.0"}
+    capsys.readouterr()
+    assert main(["replay", "--run", str(saved)]) == 1
+    assert "still disagrees on vllm==0.34.0" in capsys.readouterr().out
+    assert "replay_or_skip" in failure.regression_test()
 
 
 def test_the_scheduler_target_refuses_what_it_does_not_drive_yet() -> None:

@@ -16,14 +16,14 @@ import pytest
 from kvoffload.main import main
 from kvoffload.model.errors import ConfigError
 from kvoffload.upstream.install import Cache, default_cache
-from kvoffload.upstream.releases import Check, governing_release
-from kvoffload.upstream.targets import (
+from kvoffload.vllm_target.forms import (
     checks_for,
     is_vllm_target,
     parse,
     tree_digest,
     tree_version,
 )
+from kvoffload.vllm_target.releases import Check, governing_release
 
 MANAGER = Path("vllm") / "v1" / "simple_kv_offload" / "manager.py"
 

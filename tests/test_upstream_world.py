@@ -19,7 +19,7 @@ def test_vllm_builds_the_pools_the_configuration_asks_for(version: str) -> None:
     if not cache.installed(version):
         pytest.skip(f"vllm=={version} is not installed: kvoffload install vllm=={version}")
     run = subprocess.run(
-        [str(cache.python), "-m", "kvoffload.upstream.probe"],
+        [str(cache.python), "-m", "kvoffload.vllm_target.probe"],
         env=cache.environment(version),
         capture_output=True,
         text=True,

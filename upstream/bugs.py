@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvoffload.model.errors import ConfigError
-from kvoffload.upstream.releases import Check
+from kvoffload.vllm_target.releases import Check
 
 
 @dataclass(frozen=True)

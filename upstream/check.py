@@ -1,7 +1,7 @@
 """``kvoffload verify --target vllm==X | vllm@PATH | vllm``: the conformance machine on vLLM.
 
-A target (:mod:`kvoffload.upstream.targets`) is held to the checks of its release-table row
-(:mod:`kvoffload.upstream.releases`), or to those ``--expect`` names. A release or a tree runs
+A target (:mod:`kvoffload.vllm_target.forms`) is held to the checks of its release-table row
+(:mod:`kvoffload.vllm_target.releases`), or to those ``--expect`` names. A release or a tree runs
 in the cache's interpreter, one process for all its checks (``python -m
 kvoffload.upstream.check RESULT CHECKS PROFILE SECONDS SEED``), which reports back through a
 result file; the vLLM of the current environment runs in this process. Each verdict is then
@@ -27,9 +27,9 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from kvoffload import isolation
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, SetupError
+from kvoffload.testing import isolation
 from kvoffload.testing.failure import model_broke
 from kvoffload.upstream.install import (
     Cache,
@@ -48,8 +48,7 @@ from kvoffload.upstream.reach import (
     reachable_summary,
     table,
 )
-from kvoffload.upstream.releases import Check
-from kvoffload.upstream.targets import (
+from kvoffload.vllm_target.forms import (
     TARGET_VARIABLE,
     VllmTarget,
     checks_for,
@@ -57,6 +56,7 @@ from kvoffload.upstream.targets import (
     parse,
     running_identity,
 )
+from kvoffload.vllm_target.releases import Check
 
 COVERAGE_FILE = "KVOFFLOAD_COVERAGE"  # where the process of the checks writes its figures
 COVERAGE_HTML = "KVOFFLOAD_COVERAGE_HTML"  # where it writes the annotated source, if set
@@ -268,8 +268,7 @@ def run_checks(
 ) -> list[dict[str, Any]]:
     """Every check, in this process (vLLM must import here)."""
     from kvoffload.testing import profiles
-    from kvoffload.testing.campaign import print_result, run_campaign
-    from kvoffload.testing.failure import validate
+    from kvoffload.testing.campaign import check_record, print_result, run_campaign
 
     try:
         import vllm  # noqa: F401
@@ -295,25 +294,7 @@ def run_checks(
             database=profile.database,
         )
         print_result(outcome, where=f" (with {running_target(version)})")
-        failure = outcome.failure
-        rec = outcome.recorder
-        results.append(
-            {
-                "variant": check.variant,
-                "conforms": outcome.conforms,
-                "seconds": round(outcome.seconds, 1),
-                "seed": outcome.seed,
-                "programs": rec.programs,
-                "rule_steps": rec.rule_steps,
-                "driver_calls": rec.steps,
-                "seconds_to_first_failure": outcome.first_failure,
-                "programs_to_first_failure": rec.first_failing_program,
-                "disagreement": None if failure is None else failure["disagreement"],
-                "failure": failure,
-                "reproducer": None if failure is None else validate(failure).reproducer(),
-                "saved": None if outcome.saved is None else str(outcome.saved.absolute()),
-            }
-        )
+        results.append(check_record(outcome, check.variant))
     return results
 
 
@@ -321,7 +302,7 @@ def scheduler_check(
     check: Check, profile: Any, seconds: float | None, seed: int | None, version: str
 ) -> dict[str, Any]:
     """``check`` on the machine over vLLM's own scheduler, its verdict printed."""
-    from kvoffload.upstream.scheduler_machine import run_scheduler_check
+    from kvoffload.testing.scheduler_machine import run_scheduler_check
 
     result = run_scheduler_check(check.variant, profile, seconds, seed)
     verdict = "conforms" if result["conforms"] else f"disagrees: {result['disagreement']}"
@@ -349,7 +330,7 @@ def warm_up() -> None:
     from hypothesis import Phase, given, settings
     from hypothesis import strategies as st
 
-    from kvoffload.upstream.target import VllmOffload
+    from kvoffload.vllm_target.offload import VllmOffload
 
     try:
         VllmOffload(OffloadConfig(4, 2, (4,), 4, 1))

@@ -8,7 +8,7 @@ vLLM's own code, each release in its own process (:mod:`kvoffload.upstream.check
    its first difference must name the bug (``finds``);
 2. the first release with the fix against its own model: it must conform.
 
-With ``--releases`` every release of the table (:mod:`kvoffload.upstream.releases`, 0.19.0 to
+With ``--releases`` every release of the table (:mod:`kvoffload.vllm_target.releases`, 0.19.0 to
 0.34.0) is also held to its own row's checks. The bug table, the totals (the median seconds to
 the first failure among the bugs found, vLLM's import excluded) and the release table are
 printed; ``--write`` renders them as ``docs/history.md``.
@@ -32,8 +32,8 @@ from kvoffload.model.errors import ConfigError
 from kvoffload.upstream.bugs import HistoricalBug, select
 from kvoffload.upstream.check import judge, run_in_cache
 from kvoffload.upstream.install import Cache, default_cache
-from kvoffload.upstream.releases import RELEASES, Check, release_numbers
-from kvoffload.upstream.targets import parse
+from kvoffload.vllm_target.forms import parse
+from kvoffload.vllm_target.releases import RELEASES, Check, release_numbers
 
 DEFAULT_PROFILE = "ci"  # derandomized: the same programs, so the same figures, on every run
 TARGET_MEDIAN_SECONDS = 10.0
@@ -339,7 +339,7 @@ def page(
         releases = f"""
 ## Every release, against its own model
 
-Each release of the table (`kvoffload/upstream/releases.py`) held to its row's checks, in its
+Each release of the table (`kvoffload/vllm_target/releases.py`) held to its row's checks, in its
 own environment of the cache:
 
 {release_table(release_results)}

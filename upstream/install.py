@@ -12,8 +12,8 @@ Layout of the cache (``$KVOFFLOAD_VLLM_CACHE``, default ``~/.cache/kvoffload/vll
   where it is installed), so that the release's processes import kvoffload and nothing else of
   the environment it is installed in.
 
-A release's process runs isolated (:mod:`kvoffload.isolation`): its ``sys.path`` is the cache
-interpreter's own, then exactly the release (or tree) and the kvoffload link; none of the
+A release's process runs isolated (:mod:`kvoffload.testing.isolation`): its ``sys.path`` is
+the cache interpreter's own, then exactly the release (or tree) and the kvoffload link; none of the
 caller's ``PYTHON*`` variables, user site-packages or working folder reach it.
 
 Each part is complete once its ``.ready`` stamp exists; a present part is reused (the
@@ -27,7 +27,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -35,9 +34,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import kvoffload
-from kvoffload import isolation
-from kvoffload.model.errors import ConfigError, SetupError
+from kvoffload.model.errors import SetupError
+from kvoffload.testing import isolation
+from kvoffload.vllm_target.forms import parse_target
 
 TORCH = "torch==2.13.0"  # the CPU build on disk; the same for every release
 DEPENDENCIES = [
@@ -89,19 +88,10 @@ MODEL_CONFIG = {
     "do_layer_norm_before": True,
     "torch_dtype": "float16",
 }
-_VERSION = re.compile(r"^\d+\.\d+\.\d+$")
 
 
 def default_cache() -> Path:
     return Path(os.environ.get("KVOFFLOAD_VLLM_CACHE", Path.home() / ".cache/kvoffload/vllm"))
-
-
-def parse_target(target: str) -> str:
-    """``vllm==0.29.0`` -> ``0.29.0``; anything else is a :class:`ConfigError`."""
-    name, sep, version = target.partition("==")
-    if name != "vllm" or not sep or not _VERSION.match(version):
-        raise ConfigError(f"target {target!r} is not of the form vllm==X.Y.Z")
-    return version
 
 
 @dataclass(frozen=True)
@@ -135,7 +125,8 @@ class Cache:
         atomically, so that concurrent runs agree): on a release's path it brings this package
         and nothing else of the environment it is installed in."""
         # not resolved: an editable install's package is a tree of links, its root here
-        package = Path(kvoffload.__file__).absolute().parent
+        # (the package this module is in: kvoffload/upstream/install.py)
+        package = Path(__file__).absolute().parent.parent
         holder = self.root / "kvoffload" / hashlib.sha256(bytes(package)).hexdigest()[:16]
         link = holder / "kvoffload"
         if not link.is_symlink() or link.readlink() != package:
@@ -154,9 +145,9 @@ class Cache:
     ) -> dict[str, str]:
         """The isolated environment of the cache's interpreter with release ``version`` (or
         the vLLM tree at ``source``, which says it is ``version``) and this kvoffload on its
-        path, and nothing else (:func:`kvoffload.isolation.environment`); ``identity``: the
+        path, and nothing else (:func:`kvoffload.testing.isolation.environment`); ``identity``: the
         target it runs, as failures name it (default: the release, or the tree)."""
-        from kvoffload.upstream.targets import TARGET_VARIABLE
+        from kvoffload.vllm_target.forms import TARGET_VARIABLE
 
         vllm_root = source if source is not None else self.release(version)
         if identity is None:

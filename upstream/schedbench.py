@@ -41,6 +41,7 @@ class _Trace:
     """One run of the trace on a fresh vLLM world of ``pool`` blocks per pool."""
 
     def __init__(self, pool: int, block_size: int) -> None:
+        # vLLM's log level first (kvoffload.vllm_target), then vLLM
         from vllm.sampling_params import SamplingParams
         from vllm.v1.core.kv_cache_manager import KVCacheBlocks
         from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
@@ -48,7 +49,7 @@ class _Trace:
         from vllm.v1.request import Request
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
-        from kvoffload.upstream import vllm_world
+        from kvoffload.vllm_target import world as vllm_world
 
         # vLLM's world is sized for the conformance machine's short prompts; a long prompt
         # needs a longer model length (VLLM_ALLOW_LONG_MAX_MODEL_LEN lets it pass the

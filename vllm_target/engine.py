@@ -29,8 +29,8 @@ from kvoffload.model.engine import Engine, Request, SchedulerOutput
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.offload import Disposition, OffloadScheduler, Transfer
 from kvoffload.model.types import ConnectorMetadata
-from kvoffload.upstream.keymap import KeyMap
-from kvoffload.upstream.vllm_world import World, keywords, preemption_drawn, queued_final_flushes
+from kvoffload.vllm_target.keymap import KeyMap
+from kvoffload.vllm_target.world import World, keywords, preemption_drawn, queued_final_flushes
 
 
 class VllmRequest(Request):

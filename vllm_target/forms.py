@@ -13,7 +13,7 @@ that happens to share the tree's version.
 
 A tree's or environment's version is what it says of itself (``vllm/_version.py``, else the
 tag ``git describe`` finds); the checks are those of that release in
-:mod:`kvoffload.upstream.releases`, or of the newest release before it (a branch past 0.34.0
+:mod:`kvoffload.vllm_target.releases`, or of the newest release before it (a branch past 0.34.0
 is held to 0.34.0's expectations). ``--expect conform`` keeps only the check it must conform
 to; ``--expect VARIANT`` holds it to that model variant instead.
 
@@ -36,13 +36,23 @@ from typing import Any
 
 from kvoffload.model.errors import ConfigError
 from kvoffload.model.variants import VARIANTS, is_variant
-from kvoffload.upstream.install import parse_target
-from kvoffload.upstream.releases import Check, Release, governing_release
+from kvoffload.vllm_target.releases import Check, Release, governing_release
 
 # The variable by which a release's process knows the target it runs (a JSON identity).
 TARGET_VARIABLE = "KVOFFLOAD_VLLM_TARGET"
 _VERSION_FILE = re.compile(r"""__version__\s*=\s*(?:version\s*=\s*)?['"]([^'"]+)['"]""")
 _TAG = re.compile(r"^v?(\d+\.\d+\.\d+)")
+
+
+_RELEASE_VERSION = re.compile(r"^\d+\.\d+\.\d+$")
+
+
+def parse_target(target: str) -> str:
+    """``vllm==0.29.0`` -> ``0.29.0``; anything else is a :class:`ConfigError`."""
+    name, sep, version = target.partition("==")
+    if name != "vllm" or not sep or not _RELEASE_VERSION.match(version):
+        raise ConfigError(f"target {target!r} is not of the form vllm==X.Y.Z")
+    return version
 
 
 @dataclass(frozen=True)

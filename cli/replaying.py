@@ -11,7 +11,7 @@ Invariants kept:
   or what changed, and how to replay elsewhere.
 - NAMED VERDICT: what a replay reports is about that target alone (:attr:`Plan.label`).
 - ONE HOP: a vLLM target runs in its own isolated process (the cache's interpreter with the
-  release or tree, :mod:`kvoffload.isolation`), which replays in-process only when its own
+  release or tree, :mod:`kvoffload.testing.isolation`), which replays in-process only when its own
   identity is the one asked for, and otherwise fails; it never starts another.
 """
 
@@ -23,11 +23,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvoffload import isolation
 from kvoffload.model.errors import ConfigError, SetupError
-from kvoffload.testing.failure import Failure, validate
+from kvoffload.testing import isolation
+from kvoffload.testing.failure import (
+    MODEL_ALONE,
+    SCHEDULER,
+    Failure,
+    load,
+    model_broke,
+    validate,
+)
+from kvoffload.testing.targets import spec, variant_of
 from kvoffload.upstream.install import Cache, default_cache
-from kvoffload.upstream.targets import (
+from kvoffload.vllm_target.forms import (
     checks_for,
     describe,
     from_identity,
@@ -56,19 +64,29 @@ def _normal(identity: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def plan(failure: Failure, target: str | None = None) -> Plan:
-    """How ``failure`` is replayed on its own target, or on ``target`` (an adapter such as
-    ``impl`` or ``fault:NAME``, or a vLLM target form); a ConfigError when it is not here."""
-    from kvoffload.testing.adapters import adapters, expected_variant
-
+    """How ``failure`` is replayed on its own target, or on ``target`` (a target of the
+    registry such as ``impl`` or ``fault:NAME``, or a vLLM target form); a ConfigError when
+    it is not here."""
     if target is not None and not is_vllm_target(target):
-        if target not in adapters():
+        if failure.machine == SCHEDULER and target != MODEL_ALONE:
             raise ConfigError(
-                f"--target {target!r} is not a target here; known: {sorted(adapters())}"
+                f"the scheduler machine's failure replays on a vLLM target or on "
+                f"{MODEL_ALONE!r} (the model alone), not on {target!r}"
             )
-        return Plan(target, target, expected_variant(target))
-    if target is None and failure.adapter != "vllm":
-        if failure.adapter not in adapters():
-            raise ConfigError(f"the target {failure.adapter} of this failure is not available here")
+        if target == MODEL_ALONE:
+            return Plan("the model alone", MODEL_ALONE, failure.variant)
+        why = spec(target).unavailable()
+        if why is not None:
+            raise ConfigError(f"--target {target!r} cannot run here: {why}")
+        return Plan(target, target, variant_of(target))
+    if target is None and failure.adapter == MODEL_ALONE:
+        return Plan("the model alone", MODEL_ALONE, failure.variant)
+    if target is None and not failure.elsewhere:
+        why = spec(failure.adapter).unavailable()
+        if why is not None:
+            raise ConfigError(
+                f"the target {failure.adapter} of this failure cannot run here: {why}"
+            )
         return Plan(failure.adapter, failure.adapter, failure.variant)
     if target is not None:
         parsed = parse(target)
@@ -151,7 +169,7 @@ def replay(failure: Failure, target: str | None = None, html: Path | None = None
             "html": None if html is None else str(html.absolute()),
             "result": str(result),
         }
-        command = isolation.python_command(chosen.python, "kvoffload.testing.replaying")
+        command = isolation.python_command(chosen.python, "kvoffload.replaying")
         assert chosen.environment is not None
         run = isolation.run(
             command, chosen.environment, folder, input=json.dumps(request), text=True
@@ -166,10 +184,23 @@ def replay(failure: Failure, target: str | None = None, html: Path | None = None
 
 
 def _here(failure: Failure, chosen: Plan, html: Path | None) -> str | None:
-    from kvoffload.testing.adapters import adapters
+    """The failure's program on its machine, in this process."""
     from kvoffload.testing.lockstep import disagreement
 
-    factory = adapters()[chosen.adapter]
+    if failure.machine == SCHEDULER:
+        from kvoffload.testing.scheduler_lockstep import first_difference
+
+        if html is not None:
+            raise ConfigError("--html draws the offload machine's failures, not the scheduler's")
+        assert failure.whole_sequence_admission is not None
+        return first_difference(
+            failure.config,
+            failure.program,
+            chosen.variant,
+            failure.whole_sequence_admission,
+            vllm=chosen.adapter != MODEL_ALONE,
+        )
+    factory = spec(chosen.adapter).build
     if html is not None:
         from kvoffload.testing.page import write_page
 
@@ -188,6 +219,42 @@ def replay_or_skip(failure: Failure) -> str | None:
     except ConfigError as missing:
         pytest.skip(str(missing))
     return replay(failure).found
+
+
+def run_replay(
+    path: str,
+    output: str | None = None,
+    run: bool = False,
+    target: str | None = None,
+    html: str | None = None,
+) -> int:
+    """``kvoffload replay``: the saved failure at ``path`` as a pytest file (printed, and
+    written to ``output``); or with ``run`` (or ``html``, a page of the run to write) the
+    failure's program driven again on the target it failed on, or on ``target``
+    (:mod:`kvoffload.replaying`): 0 when it conforms now, 1 while it disagrees, 3
+    while the model breaks an invariant on it. The file is validated before anything is
+    written or run (:mod:`kvoffload.testing.failure`)."""
+    failure = load(path)
+    if not (run or html):
+        if target is not None:
+            raise ConfigError("--target says where to replay: it goes with --run or --html")
+        text = failure.regression_test()
+        if output:
+            Path(output).write_text(text)
+        print(text)
+        return 0
+    outcome = replay(failure, target, None if html is None else Path(html))
+    if html is not None:
+        print(f"the page of the run on {outcome.label}: {html}")
+    if outcome.found is None:
+        print(f"no longer disagrees on {outcome.label}: the program of {path} conforms")
+        return 0
+    invariant = model_broke(outcome.found)
+    if invariant is not None:
+        print(f"the model still breaks {invariant} on the program of {path}:\n{outcome.found}")
+        return 3
+    print(f"still disagrees on {outcome.label}:\n{outcome.found}")
+    return 1
 
 
 def main() -> int:

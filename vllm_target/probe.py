@@ -1,13 +1,13 @@
-"""``python -m kvoffload.upstream.probe``, run in a release's environment: build vLLM's
+"""``python -m kvoffload.vllm_target.probe``, run in a release's environment: build vLLM's
 offload objects for a few configurations and print what vLLM made of them, as JSON lines.
-Checks the recipe of :mod:`kvoffload.upstream.vllm_world` against a release."""
+Checks the recipe of :mod:`kvoffload.vllm_target.world` against a release."""
 
 from __future__ import annotations
 
 import json
 
 from kvoffload.model import OffloadConfig
-from kvoffload.upstream.vllm_world import build, describe, supported
+from kvoffload.vllm_target.world import build, describe, supported
 
 CONFIGS = [
     OffloadConfig(8, 4, (4,), 4, 1),

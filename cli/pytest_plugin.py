@@ -53,13 +53,10 @@ from kvoffload.model.errors import ConfigError, SetupError
 from kvoffload.model.limits import brief, cut
 
 if TYPE_CHECKING:
-    from kvoffload.upstream.targets import VllmTarget
+    from kvoffload.vllm_target.forms import VllmTarget
 
 # How the text of a campaign that could not run starts (never "DISAGREES").
 BROKEN = "broken setup: "
-# The targets run in this process (the fault targets are "fault:NAME").
-IN_PROCESS = ("impl", "impl-cuda")
-FAULT = "fault:"
 
 
 @dataclass(frozen=True)
@@ -154,41 +151,34 @@ def checked(config: pytest.Config) -> Campaigns:
 def checked_target(target: str) -> VllmTarget | None:
     """A vLLM target as parsed, or None for a target run here; a ``pytest.UsageError`` for
     a target of no known form, or a fault the catalogue lacks."""
-    if target in IN_PROCESS:
-        return None
-    if target.startswith(FAULT):
-        names = _fault_names()
-        if names is not None and target.removeprefix(FAULT) not in names:
-            raise pytest.UsageError(
-                f"--kvoffload-target: {brief(target)} names no fault of the catalogue; "
-                f"known: {', '.join(names)}"
-            )
-        return None
     from kvoffload.main import TARGETS
-    from kvoffload.upstream.targets import is_vllm_target, parse
+    from kvoffload.testing.targets import FAULT, UnknownTargetError, spec
+    from kvoffload.vllm_target.forms import is_vllm_target, parse
 
     if not is_vllm_target(target):
-        raise pytest.UsageError(
-            _line(f"--kvoffload-target: unknown target {brief(target)}; the targets: {TARGETS}")
-        )
+        try:
+            with warnings.catch_warnings():
+                # (torch warns at import where NumPy is absent, which the campaigns never need)
+                warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+                spec(target)
+        except UnknownTargetError as error:
+            # a fault the catalogue lacks is named with the catalogue, any other name with
+            # the forms a target takes
+            if target.startswith(FAULT):  # (the name in it cut, the catalogue whole)
+                raise pytest.UsageError(f"--kvoffload-target: {error}") from None
+            raise pytest.UsageError(
+                _line(
+                    f"--kvoffload-target: unknown target {brief(target)}; the targets: "
+                    f"{TARGETS}, or one registered"
+                )
+            ) from None
+        except ModuleNotFoundError:
+            pass  # the fault catalogue without torch: the item's setup says what is missing
+        return None
     try:
         return parse(target)
     except (ConfigError, OSError) as error:  # OSError: a tree whose sources cannot be read
         raise pytest.UsageError(_line(f"--kvoffload-target: {error}")) from None
-
-
-def _fault_names() -> list[str] | None:
-    """The names of the fault catalogue, or None where it cannot be imported (no torch: the
-    item's setup then says what is missing). Imported here, never at the module's import:
-    the catalogue imports the implementation, and with it torch."""
-    try:
-        with warnings.catch_warnings():
-            # (torch warns at import where NumPy is absent, which the campaigns never need)
-            warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
-            from kvoffload.impl.faults import FAULTS
-    except ModuleNotFoundError:
-        return None
-    return sorted(FAULTS)
 
 
 def _line(text: str) -> str:
@@ -325,22 +315,24 @@ def buildable(target: str) -> None:
 
     try:
         from kvoffload.model.config import OffloadConfig
-        from kvoffload.testing.adapters import adapters
+        from kvoffload.testing.targets import UnknownTargetError, spec
     except ModuleNotFoundError as error:
         missing = (error.name or "").partition(".")[0]
         if missing not in INSTALL:
             raise
         raise SetupError(f"{target} needs the package {missing!r}: {INSTALL[missing]}") from None
-    known = adapters()
-    if target not in known:
-        if target == "impl-cuda":
-            raise SetupError(_no_cuda())
-        raise SetupError(f"{brief(target)} is not a target here; known: {sorted(known)}")
+    try:
+        row = spec(target)
+    except UnknownTargetError as error:
+        raise SetupError(str(error)) from None
+    why = row.unavailable()
+    if why is not None:
+        raise SetupError(_no_cuda() if row.device == "cuda" else f"{target}: {why}")
     # The smallest configuration: 4 GPU and 2 CPU blocks of 4 tokens, each pool with its null
     # block (the one the vLLM check's warm-up builds, kvoffload.upstream.check.warm_up).
     config = OffloadConfig(4, 2, (4,), 4)
     try:
-        built = known[target](config)
+        built = row.build(config)
     except Exception as error:
         raise SetupError(f"{target} cannot be built here, even on {config}: {error!r}") from error
     close = getattr(built, "close", None)

@@ -21,7 +21,7 @@ class Check:
     finds: str | None = None
     # "offload": the conformance machine over vLLM's offload code, the model's engine
     # scheduling; "scheduler": the machine over vLLM's own scheduler and connector
-    # (kvoffload.upstream.scheduler_machine)
+    # (kvoffload.testing.scheduler_machine)
     machine: str = "offload"
 
 

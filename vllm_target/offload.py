@@ -7,7 +7,7 @@ this target has no data check: it is compared on results and snapshots.
 
 The snapshot reads vLLM's state (its pools and the manager's fields, which carry the
 model's names with a leading underscore) and names keys as the model does (:class:`KeyMap`).
-Where releases differ in how they hold it, :mod:`kvoffload.upstream.vllm_world` reads it.
+Where releases differ in how they hold it, :mod:`kvoffload.vllm_target.world` reads it.
 """
 
 from __future__ import annotations
@@ -51,9 +51,9 @@ from kvoffload.model.validate import (
     require_token_budget,
     require_tokens,
 )
-from kvoffload.upstream.engine import VllmEngine
-from kvoffload.upstream.keymap import KeyMap
-from kvoffload.upstream.vllm_world import build, cached_entries, queued_final_flushes, state
+from kvoffload.vllm_target.engine import VllmEngine
+from kvoffload.vllm_target.keymap import KeyMap
+from kvoffload.vllm_target.world import build, cached_entries, queued_final_flushes, state
 
 
 class VllmOffload:
@@ -142,7 +142,7 @@ class VllmOffload:
 
         ``reset_running_requests`` is taken as the model takes it, but refused: preempting is
         vLLM's ``Scheduler``'s own work, which the machine over vLLM's own scheduler
-        (:mod:`kvoffload.upstream.scheduler_machine`) runs; this view of it has none."""
+        (:mod:`kvoffload.testing.scheduler_machine`) runs; this view of it has none."""
         from vllm.v1.core.sched.scheduler import Scheduler
 
         flag = require_flag("reset_connector", reset_connector)

@@ -1,4 +1,4 @@
-"""The conformance machine over vLLM's own scheduler (:mod:`kvoffload.upstream.scheduler`):
+"""The conformance machine over vLLM's own scheduler (:mod:`kvoffload.vllm_target.scheduler`):
 random programs of requests, steps, aborts and resets drive vLLM's ``Scheduler`` with its
 SimpleCPUOffload connector and the model in lockstep, compared after every call.
 
@@ -13,7 +13,7 @@ to a later step's output. The model is the release's variant with vLLM 0.34.0's 
 (:data:`~kvoffload.model.engine.VLLM_SCHEDULING`).
 
 A check of the release table names this machine with ``machine="scheduler"``
-(:mod:`kvoffload.upstream.releases`); ``kvoffload verify --target vllm==X`` runs it beside the
+(:mod:`kvoffload.vllm_target.releases`); ``kvoffload verify --target vllm==X`` runs it beside the
 offload target, in the same measured process.
 
 Without vLLM (``vllm=False``) the same programs drive the model alone, every invariant checked
@@ -24,29 +24,31 @@ invariants, which a release's variant that breaks them cannot be (its check is o
 
 from __future__ import annotations
 
-import itertools
-import random
 import time
+from collections.abc import Callable
 from typing import Any, ClassVar
 
-from hypothesis import seed as hypothesis_seed
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.errors import Flaky
-from hypothesis.stateful import (
-    RuleBasedStateMachine,
-    initialize,
-    precondition,
-    rule,
-    run_state_machine_as_test,
-)
+from hypothesis.stateful import initialize, precondition, rule
 
-from kvoffload.model import InvariantViolation, OffloadConfig, OffloadModel, SetupError
+from kvoffload.model import OffloadConfig, OffloadModel, SetupError
+from kvoffload.model.errors import ConfigError
 from kvoffload.model.types import KVEvent
 from kvoffload.model.variants import keeps_invariants
+from kvoffload.testing import reduce
+from kvoffload.testing.campaign import campaign_batch, check_record
+from kvoffload.testing.failure import MODEL_ALONE, SCHEDULER, Failure
 from kvoffload.testing.lockstep import Call, as_outcome
-from kvoffload.testing.stateful import PROMPTS, SKIP_READING, TAILS, Recorder
-from kvoffload.upstream.scheduler import VllmScheduler, compare_call, model_call, scheduling
+from kvoffload.testing.machine import LockstepMachine, Recorder, run_machine_campaign
+from kvoffload.testing.scheduler_lockstep import (
+    compare_call,
+    first_difference,
+    invariant_broken,
+    scheduling,
+)
+from kvoffload.testing.stateful import PROMPTS, SKIP_READING, TAILS
+from kvoffload.testing.targets import TargetSpec, spec
 
 # Full-attention groups: one of blocks of 4 or 8 (vLLM's one-group coordinator hashes whole
 # blocks only), or two of 4 and 8 tokens hashed in blocks of 4 (the hybrid coordinator: keys
@@ -60,12 +62,12 @@ REPORTS = st.integers(0, 3).map(lambda n: n != 3)
 MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 12))
 
 
-class SchedulerMachine(RuleBasedStateMachine):
+class SchedulerMachine(LockstepMachine):
     """Subclass with ``variant`` and ``recorder`` set, or use :func:`scheduler_machine`."""
 
-    variant: ClassVar[str]
-    recorder: ClassVar[Recorder]
-    vllm: ClassVar[bool] = True  # False: the model alone, every invariant checked
+    # the registry's row of the target whose scheduler it drives; None: the model alone,
+    # every invariant checked
+    target_spec: ClassVar[TargetSpec | None]
 
     @initialize(
         layout=st.sampled_from(LAYOUTS),
@@ -88,70 +90,53 @@ class SchedulerMachine(RuleBasedStateMachine):
         whole: bool,
         first: list[int],
     ) -> None:
-        self.started = time.perf_counter()
+        started = time.perf_counter()
         sizes, hbs = layout
         gpu_blocks *= len(sizes)  # a block per group and position
-        self.config = OffloadConfig(
+        config = OffloadConfig(
             gpu_blocks, cpu_blocks, sizes, hbs, world_size, lazy, kv_events=kv_events
         )
         self.whole = whole
         variant = type(self).variant
         self.model = OffloadModel(
-            self.config,
+            config,
             variant=variant,
             check=keeps_invariants(variant),
             scheduling=scheduling(whole),
         )
-        self.target: VllmScheduler | None = None
+        self.target: Any = None
+        row = type(self).target_spec
         try:
-            if type(self).vllm:
-                self.target = VllmScheduler(self.config, whole)
+            if row is not None:
+                assert row.scheduler is not None
+                self.target = row.scheduler(config, whole)
         except Exception as error:
             raise SetupError(
-                f"vLLM's scheduler cannot be built for {self.config}: {as_outcome(error)}"
+                f"vLLM's scheduler cannot be built for {config}: {as_outcome(error)}"
             ) from error
-        self.program: list[Call] = []
         self.model_events: list[KVEvent] = []
-        self.prompts: list[list[int]] = []
-        self.next_id = 0
-        self.rule_steps = 0
-        type(self).recorder.programs += 1
-        type(self).recorder.failure = None
+        self.begin(config, "scheduler", started)
         self.admit(first, 2, False, "add_request", continued=False)
 
-    def run(self, call: Call, rule_name: str, continued: bool = False) -> None:
-        rec = type(self).recorder
-        rec.steps += 1
-        self.program.append(call)
-        if not continued:
-            rec.count(rec.rules, rule_name)
-            self.rule_steps += 1
-            rec.rule_steps += 1
-        n = len(self.program) - 1
+    def check(self, call: Call, n: int) -> str | None:
         if self.target is None:
-            found = invariant_broken(self.model, call, n)
-        else:
-            found = compare_call(self.model, self.target, call, n, self.model_events)
-        if found:
-            if rec.first_failure is None:
-                rec.first_failure = time.perf_counter() - rec.started
-                rec.first_failing_program = rec.programs
-            rec.failure = {
-                "disagreement": found,
-                "config": repr(self.config),
-                "whole_sequence_admission": self.whole,
-                "variant": type(self).variant,
-                "vllm": self.target is not None,
-                "program": list(self.program),
-                "rules": self.rule_steps,
-            }
-            raise AssertionError(f"{found}\n\nreproduce with:\n{reproducer(rec.failure)}")
+            return invariant_broken(self.model, call, n)
+        return compare_call(self.model, self.target, call, n, self.model_events)
 
-    def teardown(self) -> None:
-        if hasattr(self, "program"):
-            type(self).recorder.timed(
-                "scheduler", len(self.program), time.perf_counter() - self.started
-            )
+    def failure(self, found: str) -> Failure:
+        row = type(self).target_spec
+        return Failure(
+            MODEL_ALONE if row is None else row.name,
+            type(self).variant,
+            self.config,
+            tuple(self.program),
+            self.rule_steps,
+            found,
+            release=None if row is None else row.release(),
+            target=None if row is None else row.identity(),
+            machine=SCHEDULER,
+            whole_sequence_admission=self.whole,
+        )
 
     def admit(
         self, tokens: list[int], max_tokens: int, skip: bool, rule_name: str, continued: bool
@@ -235,47 +220,34 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.run(("reset_prefix_cache", reset_connector), "reset_prefix_cache")
 
 
-def invariant_broken(model: OffloadModel, call: Call, n: int) -> str | None:
-    """Call ``n`` on the model alone: the invariant it breaks, or None."""
-    try:
-        model_call(model, call)
-    except InvariantViolation as error:
-        return f"call {n} {call!r}: {error}"
-    return None
-
-
 def scheduler_machine(
-    variant: str, recorder: Recorder, vllm: bool = True
+    variant: str, recorder: Recorder, vllm: bool = True, target: str = "vllm"
 ) -> type[SchedulerMachine]:
+    """The machine over ``target``'s scheduler (a row of the registry with one), or without
+    ``vllm`` over the model alone, compared with (or held to) ``variant``."""
     if not vllm and not keeps_invariants(variant):
         raise ValueError(f"the model alone is checked by its invariants, which {variant} breaks")
+    row = spec(target) if vllm else None
+    if row is not None and row.scheduler is None:
+        raise ConfigError(f"the target {target!r} has no scheduler for the scheduler machine")
+    # The class name seeds a derandomized run (as the offload machine's, machine_for).
     return type(
         "VllmSchedulerMachine" if vllm else "SchedulingMachine",
         (SchedulerMachine,),
-        {"variant": variant, "recorder": recorder, "vllm": vllm},
+        {"variant": variant, "recorder": recorder, "target_spec": row},
     )
 
 
-def reproducer(failure: dict[str, Any]) -> str:
-    """A runnable program that replays ``failure``: a ``first_difference`` call, or without
-    vLLM, the model with every invariant checked."""
-    if not failure.get("vllm", True):
-        return (
-            "from kvoffload.model import OffloadConfig, OffloadModel\n"
-            "from kvoffload.upstream.scheduler import model_call, scheduling\n\n"
-            f"program = {failure['program']!r}\n"
-            f"model = OffloadModel({failure['config']}, {failure['variant']!r}, check=True, "
-            f"scheduling=scheduling({failure['whole_sequence_admission']}))\n"
-            "for call in program:\n"
-            "    print(call, model_call(model, call))\n"
-        )
-    return (
-        "from kvoffload.model import OffloadConfig\n"
-        "from kvoffload.upstream.scheduler import first_difference\n\n"
-        f"program = {failure['program']!r}\n"
-        f"print(first_difference({failure['config']}, program, {failure['variant']!r}, "
-        f"whole_sequence_admission={failure['whole_sequence_admission']}))\n"
-    )
+def reduced(failure: Failure) -> Failure:
+    """``failure`` reduced (:func:`kvoffload.testing.reduce.reduced`), each candidate
+    replayed on a fresh scheduler and model."""
+    assert failure.whole_sequence_admission is not None
+    whole, vllm = failure.whole_sequence_admission, failure.adapter != MODEL_ALONE
+
+    def disagrees(config: OffloadConfig) -> Callable[[list[Call]], str | None]:
+        return lambda calls: first_difference(config, calls, failure.variant, whole, vllm)
+
+    return reduce.reduced(failure, disagrees)
 
 
 def run_scheduler_check(
@@ -287,44 +259,14 @@ def run_scheduler_check(
 ) -> dict[str, Any]:
     """The machine over vLLM's scheduler against ``variant`` of the model, for ``profile``'s
     examples (a quarter of them: a program here costs about four of the offload target's),
-    or in batches for ``seconds``; the result as :func:`kvoffload.upstream.check.run_checks`
-    reports one. A random profile runs batch ``k`` from seed ``seed + k`` (``seed`` drawn
-    when not given), as the offload machine's campaign does. ``vllm=False``: the model
+    or in batches for ``seconds`` (:func:`kvoffload.testing.campaign.campaign_batch`); its
+    failure reduced and saved as the offload machine's are; the result as
+    :func:`kvoffload.testing.campaign.check_record` reports one. ``vllm=False``: the model
     alone, held to its invariants."""
-    recorder = Recorder()
-    machine = scheduler_machine(variant, recorder, vllm)
+    machine = scheduler_machine(variant, Recorder(), vllm)
     examples = max(1, profile.max_examples // 4)
-    batch = settings(profile, max_examples=25 if seconds else examples)
-    if seed is None and not batch.derandomize:
-        seed = random.getrandbits(32)
-    start = time.perf_counter()
-    failure: dict[str, Any] | None = None
-    for n in itertools.count():
-        if seed is not None:
-            hypothesis_seed(seed + n)(machine)
-        try:
-            run_state_machine_as_test(machine, settings=batch)
-        except (AssertionError, Flaky):
-            failure = recorder.failure
-            if failure is None:
-                raise
-        elapsed = time.perf_counter() - start
-        if failure is not None or not seconds or elapsed >= seconds:
-            break
-    return {
-        "variant": variant,
-        "machine": "scheduler",
-        "conforms": failure is None,
-        "seconds": round(elapsed, 1),
-        "seed": seed,
-        "programs": recorder.programs,
-        "rule_steps": recorder.rule_steps,
-        "driver_calls": recorder.steps,
-        "rules": dict(sorted(recorder.rules.items())),
-        "seconds_to_first_failure": recorder.first_failure,
-        "programs_to_first_failure": recorder.first_failing_program,
-        "disagreement": None if failure is None else failure["disagreement"],
-        "failure": failure,
-        "reproducer": None if failure is None else reproducer(failure),
-        "saved": None,
-    }
+    batch = campaign_batch(settings(profile, max_examples=examples), seconds, profile.database)
+    result = run_machine_campaign(
+        machine, "vllm" if vllm else MODEL_ALONE, batch, reduced, seconds, seed
+    )
+    return check_record(result, variant, SCHEDULER)

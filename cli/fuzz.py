@@ -28,7 +28,7 @@ Invariants kept:
   as ``***`` (:func:`redacted`) in the header, in every error (the Redis client's own words
   included), in the JSON verdict and in what a worker prints when it breaks; workers get
   their spec, the URL in it, on standard input, never in their command line or environment;
-- ISOLATED: workers run ``python -P -m kvoffload.testing.fuzz`` (:mod:`kvoffload.isolation`)
+- ISOLATED: workers run ``python -P -m kvoffload.fuzz`` (:mod:`kvoffload.testing.isolation`)
   in an empty folder of their own, with the isolated environment, and every path they are
   given is absolute; what they find is saved once, by this process, in the caller's
   failures folder (the shortest failure of the run);
@@ -59,15 +59,15 @@ from urllib.parse import unquote, unquote_plus, urlsplit
 
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
-from kvoffload import isolation
 from kvoffload.model.errors import ConfigError, KVOffloadError, SetupError
 from kvoffload.model.limits import MAX_SECONDS, MAX_SEED, brief, cores, cut
+from kvoffload.testing import isolation
 from kvoffload.testing.failure import Failure, model_broke, save, validate
-from kvoffload.upstream.targets import is_vllm_target
+from kvoffload.vllm_target.forms import is_vllm_target
 
 SEED_STRIDE = 1_000_000
 DEFAULT_DATABASE = isolation.DATABASE
-WORKER_MODULE = "kvoffload.testing.fuzz"
+WORKER_MODULE = "kvoffload.fuzz"
 # Seconds between two progress lines while workers run; a worker reports twice as often,
 # so that a line is never much older than the work it shows.
 PROGRESS_EVERY = 10.0
@@ -413,15 +413,16 @@ def run_fuzz(
     model broke its own invariant. ``json_path`` receives the verdict as JSON
     (:func:`verdict_document`)."""
     check_bounds(workers, seconds, seed)
-    from kvoffload.testing.adapters import adapters, default_adapter
+    from kvoffload.testing.targets import default_target
+    from kvoffload.testing.targets import spec as target_row
 
-    target = target or default_adapter()
+    target = target or default_target()
     python, environment, variant, adapter = sys.executable, isolation.environment(), None, target
     if is_vllm_target(target):
         python, environment, variant = _vllm_worker(target)
         adapter = "vllm"  # the adapter of every vLLM target, in the environment just made
-    elif target not in adapters():
-        raise ConfigError(f"unknown target {brief(target)}; known here: {sorted(adapters())}")
+    elif (why := target_row(target).unavailable()) is not None:
+        raise ConfigError(f"the target {target} cannot run here: {why}")
     if database is None:
         # the caller's .hypothesis/examples (or the folder its environment names), absolute
         spec = str(isolation.database_folder().absolute())
@@ -484,7 +485,7 @@ def run_fuzz(
 def _watch(workers: list[_Worker], seconds: float) -> None:
     """Until every worker has ended: a progress line every ``PROGRESS_EVERY`` seconds and
     when a worker ends."""
-    from kvoffload.progress import Progress
+    from kvoffload.testing.progress import Progress
 
     # every=0: this loop decides when a line is due; Progress writes it (in place only on
     # a terminal, a line of its own anywhere else)
@@ -652,7 +653,7 @@ def _vllm_worker(spec: str) -> tuple[str, dict[str, str], str]:
     """The interpreter, environment and model variant of a vLLM target's workers: a release
     or a tree in the cache's interpreter, the current environment's vLLM in this one."""
     from kvoffload.upstream.install import Cache, default_cache, run_variables, write_model
-    from kvoffload.upstream.targets import TARGET_VARIABLE, checks_for, parse
+    from kvoffload.vllm_target.forms import TARGET_VARIABLE, checks_for, parse
 
     target = parse(spec)
     row, _ = checks_for(target, "conform")
@@ -679,7 +680,7 @@ def _vllm_worker(spec: str) -> tuple[str, dict[str, str], str]:
 
 
 def main() -> int:
-    """A worker process: ``python -P -m kvoffload.testing.fuzz``, its spec (a JSON object
+    """A worker process: ``python -P -m kvoffload.fuzz``, its spec (a JSON object
     of :func:`run_fuzz`) on standard input; its result written to the spec's result file.
     What it prints when it breaks holds none of the database's secrets."""
     # torch warns at import where NumPy is absent, which it never needs here (as cli.main)

@@ -1,0 +1,210 @@
+"""The scheduler machine's lockstep: a call of :mod:`kvoffload.vllm_target.scheduler` on the
+model and on vLLM's own ``Scheduler``, compared on its result, the snapshot and the kv-cache
+events (:func:`compare_call`), and a program replayed on both (:func:`first_difference`).
+
+The model's side of each call (:func:`model_call`) is the model engine admitting as vLLM
+0.34.0's scheduler does (:func:`scheduling`); finished requests are gone from vLLM's
+scheduler, so the model's snapshot is compared without them (:func:`model_snapshot`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import replace
+
+from kvoffload.model import OffloadModel
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.engine import VLLM_SCHEDULING, RequestStatus, Scheduling
+from kvoffload.model.errors import InvalidArgumentError, InvariantViolation
+from kvoffload.model.snapshot import Snapshot
+from kvoffload.model.types import KVEvent
+from kvoffload.model.variants import keeps_invariants
+from kvoffload.testing.lockstep import Call, as_outcome, describe_difference, model_broke_at
+from kvoffload.testing.targets import spec
+from kvoffload.vllm_target.scheduler import CALLS, StepView, VllmScheduler
+
+
+def model_step(model: OffloadModel, token_budget: int, report: bool = True) -> StepView:
+    """The model's step, and with ``report`` every completion owed reported by every
+    worker, seen as :meth:`VllmScheduler.step` shows vLLM's."""
+    result = model.step(token_budget)
+    if report:
+        model.complete_all()
+    meta = result.metadata
+    return (
+        {rid: end - start for rid, (start, end) in result.scheduled.items()},
+        meta.store_event,
+        meta.store_gpu_blocks,
+        meta.store_cpu_blocks,
+        meta.load_event,
+        meta.load_gpu_blocks,
+        meta.load_cpu_blocks,
+    )
+
+
+def model_call(model: OffloadModel, call: Call) -> object:
+    """``call`` on the model; its result as :func:`vllm_call` gives vLLM's."""
+    name, *args = call
+    if name == "add":
+        model.add_request(*args)
+        return None
+    if name == "step":
+        return model_step(model, *args)
+    if name == "abort":
+        model.finish(args[0])
+        return None
+    return model.reset_prefix_cache(*args)
+
+
+def vllm_call(target: VllmScheduler, call: Call) -> object:
+    name, *args = call
+    if name == "add":
+        target.add_request(*args)
+        return None
+    if name == "step":
+        return target.step(*args)
+    if name == "abort":
+        target.abort(args[0])
+        return None
+    return target.reset_prefix_cache(*args)
+
+
+def model_snapshot(model: OffloadModel) -> Snapshot:
+    """The model's snapshot as the scheduler target shows one: finished requests are gone
+    from vLLM's scheduler."""
+    snap = model.snapshot()
+    live = tuple(r for r in snap.requests if r.status != RequestStatus.FINISHED.value)
+    return Snapshot(**{**snap.__dict__, "requests": live})
+
+
+def scheduling(whole_sequence: bool) -> Scheduling:
+    """The model's scheduling for vLLM 0.34.0's scheduler with ``scheduler_reserve_full_isl``
+    as ``whole_sequence`` says (the rest of :data:`VLLM_SCHEDULING` always on)."""
+    return replace(VLLM_SCHEDULING, whole_sequence=whole_sequence)
+
+
+def require_call(call: Call) -> None:
+    if not call or call[0] not in CALLS:
+        raise InvalidArgumentError(f"the scheduler target takes calls {CALLS}, got {call}")
+
+
+def compare_call(
+    model: OffloadModel,
+    target: VllmScheduler,
+    call: Call,
+    n: int,
+    model_events: list[KVEvent] | None = None,
+) -> str | None:
+    """Apply ``call`` to both and describe the first difference, or None. With kv-cache
+    events, ``model_events`` holds the model's since the last step: vLLM's scheduler
+    publishes the connector's once a step, so they are compared at each step."""
+    require_call(call)
+    try:
+        expected: object = model_call(model, call)
+    except InvariantViolation as broken:
+        # the specification itself is wrong on this program (as lockstep.compare says it)
+        return model_broke_at(broken, call, n)
+    except Exception as error:
+        expected = as_outcome(error)
+    try:
+        actual: object = vllm_call(target, call)
+    except Exception as error:
+        actual = as_outcome(error)
+    head = f"call {n} {call}"
+    if expected != actual:
+        return f"{head}: the model returned {expected!r}, vLLM's scheduler {actual!r}"
+    mine, theirs = model_snapshot(model), target.snapshot()
+    if mine == theirs:
+        return _compare_events(model, target, call, head, model_events)
+    fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
+    details = "; ".join(
+        describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
+    )
+    return f"{head}: snapshots differ in {fields}: {details}"
+
+
+def _compare_events(
+    model: OffloadModel,
+    target: VllmScheduler,
+    call: Call,
+    head: str,
+    pending: list[KVEvent] | None,
+) -> str | None:
+    if pending is None or not model.config.kv_events:
+        return None
+    pending += model.take_events()
+    if call[0] != "step":
+        return None
+    mine, theirs = list(pending), target.take_events()
+    pending.clear()
+    if mine == theirs:
+        return None
+    return f"{head}: kv-cache events differ: the model published {mine}, vLLM's scheduler {theirs}"
+
+
+def invariant_broken(model: OffloadModel, call: Call, n: int) -> str | None:
+    """Call ``n`` on the model alone: the invariant it breaks, or None."""
+    require_call(call)
+    try:
+        model_call(model, call)
+    except InvariantViolation as broken:
+        return model_broke_at(broken, call, n)
+    return None
+
+
+def first_difference(
+    config: OffloadConfig,
+    program: Sequence[Call],
+    variant: str | None = None,
+    whole_sequence_admission: bool = True,
+    vllm: bool = True,
+) -> str | None:
+    """Run ``program`` on vLLM's scheduler and on ``variant`` of the model (default: the
+    running release's, as the release table names it), both admitting as
+    ``whole_sequence_admission`` says (``model_admission`` of the model may differ: see
+    :func:`first_difference_between`); the first difference, or None. Without ``vllm``,
+    the model alone with every invariant checked: the first it breaks, or None."""
+    if not vllm:
+        for call in program:
+            require_call(call)
+        compared_with = variant or "fixed"
+        model = OffloadModel(
+            config,
+            variant=compared_with,
+            check=True,
+            scheduling=scheduling(whole_sequence_admission),
+        )
+        for n, call in enumerate(program):
+            found = invariant_broken(model, call, n)
+            if found:
+                return found
+        return None
+    return first_difference_between(
+        config, program, variant, whole_sequence_admission, whole_sequence_admission
+    )
+
+
+def first_difference_between(
+    config: OffloadConfig,
+    program: Sequence[Call],
+    variant: str | None,
+    vllm_admission: bool,
+    model_admission: bool,
+) -> str | None:
+    """:func:`first_difference` with vLLM's admission and the model's set apart."""
+    for call in program:
+        require_call(call)
+    target = VllmScheduler(config, vllm_admission)
+    compared_with = variant or spec("vllm").variant()
+    model = OffloadModel(
+        config,
+        variant=compared_with,
+        check=keeps_invariants(compared_with),
+        scheduling=scheduling(model_admission),
+    )
+    events: list[KVEvent] = []
+    for n, call in enumerate(program):
+        found = compare_call(model, target, call, n, events)
+        if found:
+            return found
+    return None
