@@ -43,7 +43,7 @@ from kvoffload.model.errors import ConfigError, KVOffloadError
 from kvoffload.model.limits import MAX_FAILURE_BYTES, MAX_PROGRAM_CALLS, brief
 from kvoffload.model.variants import VARIANTS, is_variant
 from kvoffload.testing.isolation import failures_folder
-from kvoffload.testing.targets import UnknownTargetError, names, spec
+from kvoffload.testing.targets import UnknownTargetError, spec, with_scheduler
 
 FORMAT = 2
 FORMATS = (1, 2)  # read: 1 has no "machine" (the offload machine's)
@@ -401,7 +401,7 @@ def _check_adapter(adapter: object, machine: str) -> str:
     _expect(isinstance(adapter, str), f"adapter must be a string, got {brief(adapter)}")
     assert isinstance(adapter, str)
     if machine == SCHEDULER:
-        drivable = [MODEL_ALONE, *(name for name in names() if spec(name).scheduler is not None)]
+        drivable = [MODEL_ALONE, *with_scheduler()]
         _expect(
             adapter in drivable,
             f"the scheduler machine drives {', '.join(drivable)}, not {brief(adapter)}",

@@ -309,6 +309,13 @@ def spec(name: str) -> TargetSpec:
     return row
 
 
+def with_scheduler() -> list[str]:
+    """The targets the scheduler machine can drive (rows with a scheduler of their own); the
+    fault catalogue's rows have none, so it is not read."""
+    _load_plugins()
+    return [name for name, row in _all(faults=False).items() if row.scheduler is not None]
+
+
 def known_line() -> str:
     """The names of the registry in one short line, the fault catalogue's as ``fault:NAME``."""
     rows = [n for n in names() if not n.startswith(FAULT)]
