@@ -207,7 +207,7 @@ def build_parser() -> Parser:
         "--profile", choices=["ci", "nightly"], help="Hypothesis profile (default: ci)"
     )
     mutants.add_argument(
-        "--write", type=output_file, help="also write the bug catalogue page to this file"
+        "--write", type=output_file, help="also write the fault catalogue page to this file"
     )
     mutants.add_argument("--jobs", type=processes, default=JOBS, help=JOBS_HELP)
     mutants.add_argument(
@@ -267,12 +267,22 @@ def build_parser() -> Parser:
     fuzz.add_argument(
         "--json", type=output_file, metavar="FILE", help="also write the verdict as JSON"
     )
+    catalogue = sub.add_parser(
+        "catalogue", help="the bug catalogue: which bug has a model variant, a fault, a history row"
+    )
+    catalogue.add_argument(
+        "--write", type=output_file, metavar="FILE", help="also write the page (docs/catalogue.md)"
+    )
     history = sub.add_parser(
         "history",
         help="the real bugs of vLLM's offload connector, found again release by release",
         epilog=EXIT_CODES,
     )
-    history.add_argument("--only", metavar="S1,S9", help="these bugs of the history only")
+    history.add_argument(
+        "--only",
+        metavar="S1,S9",
+        help="these bugs of the history only, by row or by id (no-final-flush)",
+    )
     history.add_argument(
         "--profile",
         choices=["fast", "ci", "nightly"],
@@ -413,6 +423,12 @@ def _history(args: argparse.Namespace) -> int:
     )
 
 
+def _catalogue(args: argparse.Namespace) -> int:
+    from kvoffload.upstream.catalogue import run_catalogue
+
+    return run_catalogue(args.write)
+
+
 def _install(args: argparse.Namespace) -> int:
     from kvoffload.upstream.install import install_command
 
@@ -446,6 +462,7 @@ COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {
     "replay": _replay,
     "fuzz": _fuzz,
     "history": _history,
+    "catalogue": _catalogue,
     "install": _install,
     "prove": _prove,
     "bench": _bench,

@@ -30,6 +30,7 @@ from kvoffload.impl.pool import Pool, block_key
 from kvoffload.impl.snapshot import Views
 from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import KVLayout, Worker, require_kv_fits
+from kvoffload.model.catalogue import canonical
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
 from kvoffload.model.limits import brief
@@ -69,10 +70,11 @@ def _fault_names(faults: Sequence[str]) -> tuple[str, ...]:
     changes between two iterations is read once: the names checked are the names used)."""
     if isinstance(faults, (str, bytes)) or not isinstance(faults, Sequence):
         raise ConfigError(f"faults must be a sequence of fault names, got {brief(faults)}")
-    names = tuple(faults)
-    for name in names:
+    given = tuple(faults)
+    for name in given:
         if not isinstance(name, str):
             raise ConfigError(f"a fault name must be a str, got {brief(name)}")
+    names = tuple(canonical(name) for name in given)  # an old name reads as the bug's id
     unknown = sorted(set(names) - set(FAULTS))
     if unknown:
         raise ConfigError(f"unknown faults {brief(unknown)}; known: {sorted(FAULTS)}")

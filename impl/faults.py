@@ -1,8 +1,9 @@
 """The fault catalogue: named variants of the implementation, each reproducing a real bug
-class of CPU offloading. All are off by default; ``OffloadImpl(faults=[name, ...])``
-selects them. Each class overrides one behaviour of :class:`Connector`, :class:`Worker` or
-:class:`Validation` and says which vLLM issue, PR or code (or which part of kvoffload's own
-contract: the integrity of host blocks, the input checks) it comes from.
+class of CPU offloading under its id in the bug catalogue (:mod:`kvoffload.model.catalogue`).
+All are off by default; ``OffloadImpl(faults=[name, ...])`` selects them. Each class
+overrides one behaviour of :class:`Connector`, :class:`Worker` or :class:`Validation` and
+says which vLLM issue, PR or code (or which part of kvoffload's own contract: the integrity
+of host blocks, the input checks) it comes from.
 """
 
 from __future__ import annotations
@@ -172,10 +173,10 @@ class PartialCompletionsDropped(Connector):
             self.partial[event] = count
 
 
-class LookupPinMissing(Connector):
-    """vLLM's ``_pending_cpu_hits`` pin ("so they survive LRU eviction until
-    update_state_after_alloc() consumes them"): without it, a hit can be evicted and
-    reused between the lookup and the load."""
+class NoHitPins(Connector):
+    """vLLM <= 0.21.0 (S1, #39702, fixed by PR #42289): without vLLM's ``_pending_cpu_hits``
+    pin ("so they survive LRU eviction until update_state_after_alloc() consumes them"), a
+    hit can be evicted and reused between the lookup and the load."""
 
     def pin_hit(self, blocks: list[list[int]]) -> None:
         return None
@@ -241,7 +242,7 @@ class WindowStaleIds(Connector):
         return False
 
 
-class WindowScanBreaks(Connector):
+class ScanBreaksUnhashed(Connector):
     """vLLM <= 0.21.0 (S3, PR #42296): the eager scan of a sliding-window group stops at
     the first block without a key (a position no hit can end on) instead of passing over
     it, so its cursor never moves past it and no later block of the group is stored."""
@@ -292,7 +293,7 @@ class StatsLoadCountKept(Connector):
         return report
 
 
-class ResetReportsGpuOnly(Connector):
+class ResetGpuOnly(Connector):
     """vLLM issue #57727 (live in 0.34.0): ``Scheduler.reset_prefix_cache`` without the
     connector's reset answers with the GPU's reset alone, so a reset reported as done
     leaves the CPU tier serving hits computed before it (under old weights, say)."""
@@ -455,12 +456,12 @@ FAULTS: dict[str, Fault] = {
         Fault("abandoned-store-registers", AbandonedStoreRegisters, "RESET"),
         Fault("pin-dropped-early", PinDroppedEarly, "REF-GPU"),
         Fault("partial-completions-dropped", PartialCompletionsDropped, "EVENTS"),
-        Fault("lookup-pin-missing", LookupPinMissing, "REF-CPU"),
+        Fault("no-hit-pins", NoHitPins, "REF-CPU"),
         Fault("serves-skip-reading", ServesSkipReading, "NO-READ"),
         Fault("lazy-returns-to-tail", LazyReturnsToTail, "LAZY-EVICT-FIRST"),
         Fault("lazy-stale-cursor", LazyStaleCursor, "LAZY-SCAN"),
         Fault("window-tail-not-recovered", WindowTailNotRecovered, "RECOVER"),
-        Fault("window-scan-breaks", WindowScanBreaks, "FLUSH-COMPLETE"),
+        Fault("scan-breaks-unhashed", ScanBreaksUnhashed, "FLUSH-COMPLETE"),
         Fault("window-stale-ids", WindowStaleIds, "POSITION"),
         Fault("preempt-keeps-table", PreemptKeepsTable, "TABLE"),
         Fault("chunk-unaligned-hits", ChunkUnalignedHits, "LOAD-TARGET"),
@@ -471,7 +472,7 @@ FAULTS: dict[str, Fault] = {
         Fault("tail-stored-twice", TailStoredTwice, "TAIL"),
         Fault("stats-pending-skips-abandoned", StatsPendingSkipsAbandoned, "STATS"),
         Fault("stats-load-count-kept", StatsLoadCountKept, "STATS"),
-        Fault("reset-reports-gpu-only", ResetReportsGpuOnly, "RESET"),
+        Fault("reset-gpu-only", ResetGpuOnly, "RESET"),
         Fault("store-skips-compute-wait", StoreSkipsComputeWait, "KV-BYTES"),
         Fault("integrity-spot-check", IntegritySpotCheck, "INTEGRITY"),
         Fault("failed-store-registers", FailedStoreRegisters, "UNREACHABLE"),

@@ -6,7 +6,7 @@ it is computed; the request finishes and the final flush (PR #53532) queues the 
 scan reached, including the prompt-tail block with its secondary key; a filler request
 evicts the prompt from the GPU; the repeated prompt is then served from the CPU pool;
 finally a larger request fills the CPU pool and evicts the oldest blocks.
-Run with ``--variant bug-53498-no-final-flush`` or ``--variant bug-53498-phantom-primary``
+Run with ``--variant no-final-flush`` or ``--variant phantom-primary``
 to watch an invariant catch the bug.
 """
 

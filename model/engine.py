@@ -195,6 +195,20 @@ class FinishRecord:
     dispositions: tuple[dict[int, Disposition], ...]
 
 
+@dataclass
+class _StepPlan:
+    """What one step has scheduled so far: vLLM's ``SchedulerOutput`` as it is built."""
+
+    budget: int  # the tokens left to schedule
+    scheduled: dict[str, tuple[int, int]] = field(default_factory=dict)  # computed tokens
+    new_reqs: list[tuple[str, tuple[list[int], ...]]] = field(default_factory=list)
+    cached_reqs: list[tuple[str, tuple[list[int], ...]]] = field(default_factory=list)
+    loading: list[str] = field(default_factory=list)  # requests whose loads were sent
+    preempted: list[str] = field(default_factory=list)
+    started: list[str] = field(default_factory=list)  # the loads started this step
+    blocked: bool = False  # a running request could not grow and preempted nobody
+
+
 class Engine:
     """The reduced vLLM engine core with one offload connector."""
 
@@ -263,20 +277,51 @@ class Engine:
     # -- one step ---------------------------------------------------------------------------
 
     def step(self, token_budget: int) -> StepResult:
-        budget = token_budget
-        scheduled: dict[str, tuple[int, int]] = {}
-        new_reqs: list[tuple[str, tuple[list[int], ...]]] = []
-        cached_reqs: list[tuple[str, tuple[list[int], ...]]] = []
-        loading: list[str] = []
-        preempted: list[str] = []
-        blocked = False  # a running request could not grow and preempted nobody
-        self.cached_this_step.clear()
+        """One engine step, as vLLM's ``Scheduler.schedule()`` and ``update_from_output()``
+        do it, in four phases:
 
+        1. the running requests in queue order, each grown by a chunk of the budget, the
+           last running requests preempted (FCFS) while the GPU pool cannot hold the chunk
+           (:meth:`_schedule_running`);
+        2. unless that preempted or blocked a request, the waiting requests in order: the
+           GPU prefix hit, the connector's CPU hit, the allocation, the connector's
+           ``update_state_after_alloc``, then either a load parked or the request running
+           (:meth:`_schedule_waiting`);
+        3. the connector's ``build_connector_meta`` over the step's :class:`SchedulerOutput`;
+        4. the scheduled requests' computed tokens advance, a token is sampled where a
+           request's tokens are all computed, and finished requests are freed
+           (:meth:`_advance`).
+        """
+        self.cached_this_step.clear()
+        plan = _StepPlan(token_budget)
+        self._schedule_running(plan)
+        if not (plan.preempted or plan.blocked):
+            self._schedule_waiting(plan)
+        # At the end of the queue of holders, in the order they started (vLLM re-queues
+        # them after the pass).
+        self.holders += plan.started
+        output = SchedulerOutput(
+            tuple(plan.new_reqs),
+            tuple(plan.cached_reqs),
+            {req_id: end - start for req_id, (start, end) in plan.scheduled.items()},
+            # with those a prefix-cache reset preempted since the last step
+            frozenset(plan.preempted) | frozenset(self.reset_preempted),
+            self.take_boundary_offers(),
+        )
+        self.reset_preempted.clear()
+        metadata = self.connector.build_connector_meta(output)
+        finished = self._advance(plan.scheduled)
+        return StepResult(
+            plan.scheduled, tuple(plan.loading), finished, metadata, tuple(plan.preempted)
+        )
+
+    def _schedule_running(self, plan: _StepPlan) -> None:
+        """Phase 1 of :meth:`step`: grow the running requests, preempting to make room."""
         index = 0
-        while index < len(self.running) and budget > 0:
+        while index < len(self.running) and plan.budget > 0:
             req_id = self.running[index]
             req = self.requests[req_id]
-            num_new = self.chunk(req, min(req.num_tokens - req.num_computed_tokens, budget), 0)
+            num_new = self.chunk(req, min(req.num_tokens - req.num_computed_tokens, plan.budget), 0)
             if num_new == 0:
                 # No block-aligned chunk fits the budget: passed over this step.
                 index += 1
@@ -284,31 +329,33 @@ class Engine:
             before = [len(ids) for ids in self.blocks_of(req_id)]
             allocated = self._allocate_slots(req, num_new)
             if not allocated and not self.preemption:
-                blocked = True
-                break
+                plan.blocked = True
+                return
             while not allocated:
                 # vLLM's FCFS preemption: the last running request makes room, until the
                 # request itself is the one preempted.
                 victim = self.running.pop()
                 self._preempt(victim)
-                preempted.append(victim)
+                plan.preempted.append(victim)
                 if victim == req_id:
                     break
                 allocated = self._allocate_slots(req, num_new)
             if not allocated:
-                break
+                return
             after = self.blocks_of(req_id)
-            cached_reqs.append(
+            plan.cached_reqs.append(
                 (req_id, tuple(list(ids[n:]) for ids, n in zip(after, before, strict=True)))
             )
-            scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
-            budget -= num_new
+            plan.scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
+            plan.budget -= num_new
             index += 1
 
-        started: list[str] = []  # the loads started this step
-        for req_id in [] if preempted or blocked else self._waiting_order():
-            if budget <= 0:
-                break
+    def _schedule_waiting(self, plan: _StepPlan) -> None:
+        """Phase 2 of :meth:`step`: admit the waiting requests in order, with their hits,
+        until one does not fit."""
+        for req_id in self._waiting_order():
+            if plan.budget <= 0:
+                return
             req = self.requests[req_id]
             if req.status is RequestStatus.WAITING_FOR_REMOTE_KVS:
                 if req_id not in self.finished_recving:
@@ -339,11 +386,11 @@ class Engine:
             if not load_async:
                 num_new = self.chunk(
                     req,
-                    min(req.num_tokens - req.num_computed_tokens - local - external, budget),
+                    min(req.num_tokens - req.num_computed_tokens - local - external, plan.budget),
                     local + external,
                 )
                 if num_new == 0:
-                    break  # no block-aligned chunk fits the budget
+                    return  # no block-aligned chunk fits the budget
             if self.scheduling.whole_sequence and not self._fits(
                 req,
                 req.num_tokens - req.num_computed_tokens - local - external,
@@ -351,12 +398,12 @@ class Engine:
                 local + external,
             ):
                 # vLLM's ``full_sequence_must_fit``, checked before the chunk's own count.
-                break
+                return
             reserved = self._reserved() if load_async else 0
             if not self._allocate_slots(
                 req, num_new, hit_blocks, local, external, load_async, reserved
             ):
-                break
+                return
             self.connector.update_state_after_alloc(
                 req, tuple(list(ids) for ids in self.blocks_of(req_id)), external
             )
@@ -364,9 +411,9 @@ class Engine:
                 req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
                 req.num_computed_tokens = local + external
                 self._reserve_parked(req)
-                loading.append(req_id)
+                plan.loading.append(req_id)
                 if self.scheduling.holders_first and req_id not in self.holders:
-                    started.append(req_id)
+                    plan.started.append(req_id)
                 continue
             req.num_computed_tokens += local + external
             if self.scheduling.load_reservations:
@@ -380,25 +427,14 @@ class Engine:
                 self.holders.remove(req_id)
             self.running.append(req_id)
             req.status = RequestStatus.RUNNING
-            new_reqs.append((req_id, tuple(list(ids) for ids in self.blocks_of(req_id))))
-            scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
-            budget -= num_new
+            plan.new_reqs.append((req_id, tuple(list(ids) for ids in self.blocks_of(req_id))))
+            plan.scheduled[req_id] = (req.num_computed_tokens, req.num_computed_tokens + num_new)
+            plan.budget -= num_new
 
-        # At the end of the queue of holders, in the order they started (vLLM re-queues
-        # them after the pass).
-        self.holders += started
-        output = SchedulerOutput(
-            tuple(new_reqs),
-            tuple(cached_reqs),
-            {req_id: end - start for req_id, (start, end) in scheduled.items()},
-            # with those a prefix-cache reset preempted since the last step
-            frozenset(preempted) | frozenset(self.reset_preempted),
-            self.take_boundary_offers(),
-        )
-        self.reset_preempted.clear()
-        metadata = self.connector.build_connector_meta(output)
-        # Computed tokens advance only after the connector has seen the step, so a block
-        # computed in step N is confirmed in step N + 1.
+    def _advance(self, scheduled: dict[str, tuple[int, int]]) -> tuple[str, ...]:
+        """Phase 4 of :meth:`step`: the scheduled tokens are computed; the requests that
+        finish are freed, and returned. Computed tokens advance only after the connector
+        has seen the step, so a block computed in step N is confirmed in step N + 1."""
         finished: list[str] = []
         for req_id, (_, end) in scheduled.items():
             req = self.requests[req_id]
@@ -410,7 +446,7 @@ class Engine:
                 if len(req.output) >= req.max_tokens:
                     self.finish_request(req_id)
                     finished.append(req_id)
-        return StepResult(scheduled, tuple(loading), tuple(finished), metadata, tuple(preempted))
+        return tuple(finished)
 
     def _waiting_order(self) -> list[str]:
         """The waiting requests in the order a step considers them: the queue's, or with

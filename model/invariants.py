@@ -1,95 +1,66 @@
-"""The named invariants of the model, and ``check(state)`` that checks them all.
+"""The named invariants of the model, each registered where it is defined, and
+``check(state)`` that checks them all.
 
-Each invariant has an ID, one line here and one row in ``docs/spec.md``. ``violations``
-returns every violation found; ``check`` raises the first as an
+Each invariant is a check function under the :func:`invariant` decorator, which gives its ID,
+its kind, its subject and when it is exercised; the function's docstring is its statement, the
+one line of its row in ``docs/spec.md`` (tests/test_invariants.py holds the table to the
+registry: the same IDs in the same order, kinds, statements and functions). :data:`REGISTRY`
+keeps them in the order they are defined here, which is the order ``check`` runs them in.
+``violations`` returns every violation found; ``check`` raises the first as an
 :class:`~kvoffload.model.errors.InvariantViolation` naming its ID. State invariants hold
-between any two driver calls; transition invariants (POOL-FRESH, SKIP, CAPACITY,
-REGISTERED, RESET) are checked on the ghost records of the last driver call.
+between any two driver calls; transition invariants are checked on the ghost records of the
+last driver call (what was allocated, selected, completed, reset).
 
-- POOL-QUEUE: a non-null block is queued iff its ref count is 0; no duplicates, never
-  the null block, no negative ref count.
-- POOL-MAP: every (key, block) in a map is that block's primary or secondary key; every
-  secondary key is mapped, its block has a primary, and it is not that primary.
-- POOL-PRIMARY: the primary key of a free hashed block is mapped to that block.
-- POOL-NULL: the null block holds no key.
-- POOL-FRESH: a newly allocated block has ref count 1 and no key at all.
-- REF-GPU: a GPU block's ref count equals its holders: request block tables, store
-  transfers (queued, in flight, abandoned) and loads (pending, in flight, abandoned).
-- REF-CPU: a CPU block's ref count equals its holders: lookup pins, loads, and the store
-  (queued, in flight, abandoned) it is the destination of.
-- KEYS: each cached full GPU block of a request carries that request's key for its position
-  (a sliding-window block where no hit can end carries none).
-- SKIP: a selected GPU block is not null, is hashed, was not in flight, its key was not in
-  the CPU map, and its position lies within the request's confirmed tokens (whole scheduler
-  blocks of its computed tokens when the scan ran).
-- CAPACITY: a selection takes at most as many blocks as the CPU pool had free.
-- UNREACHABLE: the CPU destination of a store that has not completed holds no mapped key,
-  nor does that of a store dropped because a worker's copy failed.
-- REGISTERED: a completed store maps the GPU block's primary (with its token count) and
-  every secondary key to the CPU block, which is free.
-- PENDING: has_pending_stores() iff a flush is queued or a store is in flight or abandoned.
-- IN-FLIGHT: the in-flight set equals the GPU blocks of queued flushes and in-flight events
-  (eager mode); lazy mode keeps none (a lazy store's pin keeps its block out of the queue).
-- RESET: after reset no flush is queued; it returned True iff nothing was abandoned and the
-  CPU pool was idle, and then the CPU pool holds no key.
-- EVENTS: events are issued in order without reuse, every known event is below its
-  counter, each store event is processed once, partial counts stay below world_size.
-- FLUSH-COMPLETE: a tracked request's finish leaves every confirmed block with a
-  disposition: stored, present, in flight, null, unhashed or dropped for capacity.
-- LOAD-PINNED: CPU blocks pinned by a lookup or a load are in use and mapped by their primary.
-- INTEGRITY: a damaged block (an injected fault) is a CPU block that still holds its key and
-  is not in use: no lookup pinned it and no load reads it.
-- NO-READ: a request that skips reading the prefix cache holds no CPU hit and has no load.
-- LAZY-SCAN: a lazy selection takes, in queue order, every cached block of the first
-  ``lazy_target_free`` of the GPU free queue whose key the CPU pool does not hold, until as
-  many as the CPU pool had free are taken; it takes nothing else.
-- LAZY-EVICT-FIRST: the GPU blocks of a completed lazy store that become free are the first
-  blocks of the GPU free queue, in their store's order.
-- WINDOW: in a sliding-window group's table the null block is a prefix no longer than the
-  blocks wholly before the window of the request's computed tokens; a full-attention table
-  holds no null.
-- MAMBA: a Mamba group's table holds at most two blocks that are not null (the running
-  state's, at its end, and the one it is copied from until the next allocation).
-- BOUNDARY: a boundary-state hand-off is stored only for a live tracked request (not
-  finished, not preempted in the step), its block not null, keyed, not in flight, its key
-  not in the CPU map; it is dropped as its request's being gone only when it is.
-- TAIL: with fine-grained CPU hits, a final flush takes the block holding the request's
-  prompt tail (the first full-attention group's, inside a block) exactly when the block holds
-  the tail's key, is not in flight, was not selected by the scan, the CPU map lacks the key
-  and the CPU pool has a block free past the scan's.
-- RECOVER: a store scan passes over a null position as null only when the GPU pool caches no
-  block under its key; otherwise it takes the cached block in its place.
-- POSITION: a block a store scan takes for a position of a request holds that position's key
-  (a sliding window's block, freed and reused by another position, is not that position's).
-- TABLE: the store state of a running tracked request names its blocks: as many per group as
-  its block table, the same block wherever the table holds one (a sliding window's nulls
-  stand where the state still names the block that left); a preempted one names none (until
-  a load brings its blocks back: then it waits for its next schedule, as a waiting one).
-- LOAD-TARGET: a load writes no GPU null block, and each block it writes is the one the
-  loading request's table holds in the group and at the position of the key of the CPU block
-  it reads (a chunked local hit after a prefix that ends inside a chunk, S24, writes into
-  the null block the table holds for a chunk already left).
-- EVENT-STORED: a ``stored`` kv-cache event names a key the CPU map holds when it is
-  published; the tokens it carries (if any) are ``block_size`` many and, chained from its
-  parent digest in hash blocks, give that key's digest.
-- STATS: a drain of the stats reports the GPU blocks of the sent loads completed since the
-  previous drain, the CPU blocks in use, the CPU blocks of the stores not completed, and per
-  outcome the boundary-state hand-offs decided since the previous drain.
-- QUEUES: the waiting and running queues partition the live requests; a request queued as
-  holding blocks (its load started) is waiting and holds blocks; a load's reservation is of
-  a waiting request, a prefill's of a running one (:class:`~kvoffload.model.engine.Scheduling`).
+The subject says what part of the state an invariant speaks of (pools, ref counts, stores,
+tables, ...); ``present`` says whether that subject is in a state at all, so that the check
+could have failed there (:func:`exercised`, the campaigns' coverage of the invariants).
 """
 
 from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
 
 from kvoffload.model.block_pool import BlockPool
 from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import InvariantViolation
 from kvoffload.model.keys import ROOT_DIGEST, block_keys, chain_digest
 from kvoffload.model.offload import Outcome, Transfer
+
+Kind = Literal["state", "transition"]
+Check = Callable[[Engine], Iterator[str]]
+
+
+@dataclass(frozen=True)
+class Invariant:
+    id: str
+    kind: Kind
+    subject: str  # the part of the state it speaks of
+    statement: str  # its one line, as docs/spec.md's table has it
+    check: Check  # yields a description of each violation
+    present: Callable[[Engine], bool]  # whether the subject is there to be checked
+
+
+REGISTRY: dict[str, Invariant] = {}
+
+
+def invariant(
+    id: str, kind: Kind, subject: str, *, present: Callable[[Engine], bool]
+) -> Callable[[Check], Check]:
+    """Register the check function below under ``id``; its docstring is the statement."""
+
+    def register(fn: Check) -> Check:
+        if id in REGISTRY:
+            raise ValueError(f"invariant {id} is registered twice")
+        if kind not in ("state", "transition") or not fn.__doc__:
+            raise ValueError(f"invariant {id} needs a kind and a statement (its docstring)")
+        statement = " ".join(fn.__doc__.split())
+        REGISTRY[id] = Invariant(id, kind, subject, statement, fn, present)
+        return fn
+
+    return register
 
 
 def _stores(state: Engine) -> list[Transfer]:
@@ -110,7 +81,52 @@ def _pools(state: Engine) -> list[BlockPool]:
     return [state.gpu_pool, state.connector.cpu_pool]
 
 
+# When a subject is present (for ``present``); run once per driver call by every campaign.
+def _held(pool: BlockPool) -> bool:
+    return any(b.ref_cnt for b in pool.blocks[1:])
+
+
+def _held_any(state: Engine) -> bool:
+    return _held(state.gpu_pool) or _held(state.connector.cpu_pool)
+
+
+def _free_hashed(state: Engine) -> bool:
+    return any(
+        b.ref_cnt == 0 and b.block_hash is not None
+        for pool in _pools(state)
+        for b in pool.blocks[1:]
+    )
+
+
+def _picked(state: Engine) -> bool:
+    return any(s.picks for s in state.connector.selection_log)
+
+
+def _skips_reading(state: Engine) -> bool:
+    return any(
+        r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
+        for r in state.requests.values()
+    )
+
+
+def _table_has_null(state: Engine) -> bool:
+    null = state.gpu_pool.null_block.block_id
+    return any(null in ids for groups in state.req_to_blocks.values() for ids in groups)
+
+
+def _mamba_held(state: Engine) -> bool:
+    return any(groups[g] for groups in state.req_to_blocks.values() for g in state.mamba_groups)
+
+
+def _tables_named(state: Engine) -> bool:
+    c = state.connector
+    return any(_table_named(state, r) for r, store in c.reqs_to_store.items() if not store.finished)
+
+
+@invariant("POOL-QUEUE", "state", "pools", present=_held_any)
 def pool_queue(state: Engine) -> Iterator[str]:
+    """a non-null block is in the free queue iff its ref count is 0; no duplicates, never the
+    null block, no negative ref count"""
     for pool in _pools(state):
         queued = set(pool.free_queue)
         if len(queued) < len(pool.free_queue):  # (counted only then: a check per call)
@@ -129,7 +145,15 @@ def pool_queue(state: Engine) -> Iterator[str]:
                 )
 
 
+@invariant(
+    "POOL-MAP",
+    "state",
+    "pools",
+    present=lambda s: bool(s.gpu_pool.cached or s.connector.cpu_pool.cached),
+)
 def pool_map(state: Engine) -> Iterator[str]:
+    """every (key, block) in a map is the block's primary or secondary key; every secondary is
+    mapped, its block has a primary, it is not the primary"""
     for pool in _pools(state):
         for key, ids in pool.cached.items():
             if not ids:
@@ -149,7 +173,9 @@ def pool_map(state: Engine) -> Iterator[str]:
                     yield f"{pool.name} block {block_id} has {key} as primary and secondary"
 
 
+@invariant("POOL-PRIMARY", "state", "pools", present=_free_hashed)
 def pool_primary(state: Engine) -> Iterator[str]:
+    """the primary key of a free hashed block maps to that block"""
     for pool in _pools(state):
         for b in pool.blocks:
             key = b.block_hash
@@ -160,21 +186,33 @@ def pool_primary(state: Engine) -> Iterator[str]:
                 )
 
 
+@invariant("POOL-NULL", "state", "pools", present=lambda s: True)
 def pool_null(state: Engine) -> Iterator[str]:
+    """the null block holds no key"""
     for pool in _pools(state):
         null = pool.null_block
         if null.block_hash is not None or pool.secondary.get(0) or pool.keys_of(0):
             yield f"{pool.name} null block holds a key"
 
 
+@invariant(
+    "POOL-FRESH",
+    "transition",
+    "pools",
+    present=lambda s: bool(s.gpu_pool.allocation_log or s.connector.cpu_pool.allocation_log),
+)
 def pool_fresh(state: Engine) -> Iterator[str]:
+    """a block returned by `get_new_blocks` has ref 1, no primary, no secondary, no mapped key"""
     for pool in _pools(state):
         for r in pool.allocation_log:
             if r.ref_cnt != 1 or r.block_hash is not None or r.secondary or r.mapped_keys:
                 yield f"{pool.name} block {r.block_id} was allocated unfresh: {r}"
 
 
+@invariant("REF-GPU", "state", "ref counts", present=lambda s: _held(s.gpu_pool))
 def ref_gpu(state: Engine) -> Iterator[str]:
+    """a GPU block's ref count equals its holders: request block tables + store transfers
+    (queued, in flight, abandoned) + loads (pending, in flight, abandoned)"""
     holders: Counter[int] = Counter()
     for groups in state.req_to_blocks.values():
         for ids in groups:
@@ -186,7 +224,10 @@ def ref_gpu(state: Engine) -> Iterator[str]:
             yield f"gpu block {b.block_id} has ref count {b.ref_cnt}, holders {holders[b.block_id]}"
 
 
+@invariant("REF-CPU", "state", "ref counts", present=lambda s: _held(s.connector.cpu_pool))
 def ref_cpu(state: Engine) -> Iterator[str]:
+    """a CPU block's ref count equals its holders: lookup pins + loads + the store it is the
+    destination of"""
     holders: Counter[int] = Counter()
     for hit in state.connector.pending_cpu_hits.values():
         holders.update(b.block_id for g in hit.blocks for b in g if not b.is_null)
@@ -197,7 +238,15 @@ def ref_cpu(state: Engine) -> Iterator[str]:
             yield f"cpu block {b.block_id} has ref count {b.ref_cnt}, holders {holders[b.block_id]}"
 
 
+@invariant(
+    "KEYS",
+    "state",
+    "keys",
+    present=lambda s: any(any(n) for n in s.num_cached_blocks.values()),
+)
 def keys(state: Engine) -> Iterator[str]:
+    """each cached full GPU block of a request carries that request's key for its position (a
+    sliding-window block where no hit can end carries none)"""
     cfg = state.config
     for req_id, groups in state.req_to_blocks.items():
         req = state.requests[req_id]
@@ -216,7 +265,11 @@ def keys(state: Engine) -> Iterator[str]:
                     )
 
 
+@invariant("SKIP", "transition", "selection", present=_picked)
 def skip(state: Engine) -> Iterator[str]:
+    """a selected GPU block is not null, is hashed, was not in flight, its key was not in the
+    CPU map, and its position lies within the request's confirmed tokens (whole scheduler
+    blocks of its computed tokens when the scan ran; S6's per-rank count reaches past them)"""
     sizes = state.config.group_block_sizes
     for sel in state.connector.selection_log:
         for p in sel.picks:
@@ -232,7 +285,9 @@ def skip(state: Engine) -> Iterator[str]:
                     )
 
 
+@invariant("CAPACITY", "transition", "selection", present=lambda s: bool(s.connector.selection_log))
 def capacity(state: Engine) -> Iterator[str]:
+    """one selection takes at most as many blocks as the CPU pool had free at its start"""
     for sel in state.connector.selection_log:
         if len(sel.picks) > sel.num_free:
             yield (
@@ -241,7 +296,15 @@ def capacity(state: Engine) -> Iterator[str]:
             )
 
 
+@invariant(
+    "UNREACHABLE",
+    "state",
+    "stores",
+    present=lambda s: bool(_stores(s) or s.connector.dropped_log),
+)
 def unreachable(state: Engine) -> Iterator[str]:
+    """the CPU destination of a store that has not completed holds no mapped key, nor does that
+    of a store dropped because a worker's copy failed"""
     cpu = state.connector.cpu_pool
     for t in _stores(state):
         for block_id in t.cpu_block_ids:
@@ -255,7 +318,10 @@ def unreachable(state: Engine) -> Iterator[str]:
                 yield f"cpu block {block_id} of a failed store is mapped by {mapped}"
 
 
+@invariant("REGISTERED", "transition", "stores", present=lambda s: bool(s.connector.completion_log))
 def registered(state: Engine) -> Iterator[str]:
+    """a completed store maps the GPU block's primary (with its token count) and every secondary
+    to the CPU block, which is free"""
     cpu = state.connector.cpu_pool
     for r in state.connector.completion_log:
         c = cpu.blocks[r.cpu_block_id]
@@ -273,7 +339,15 @@ def registered(state: Engine) -> Iterator[str]:
             yield f"{where}: cpu block has ref count {c.ref_cnt} after completion"
 
 
+# (either side of the iff: a store the answer leaves out is what the check is for)
+@invariant(
+    "PENDING",
+    "state",
+    "stores",
+    present=lambda s: s.connector.has_pending_stores() or bool(_stores(s)),
+)
 def pending(state: Engine) -> Iterator[str]:
+    """`has_pending_stores()` iff a flush is queued or a store is in flight or abandoned"""
     c = state.connector
     expected = bool(
         c.pending_finished_stores or c.store_event_to_blocks or c.abandoned_store_event_to_blocks
@@ -282,7 +356,15 @@ def pending(state: Engine) -> Iterator[str]:
         yield f"has_pending_stores() is {c.has_pending_stores()}, expected {expected}"
 
 
+@invariant(
+    "IN-FLIGHT",
+    "state",
+    "in-flight set",
+    present=lambda s: bool(s.connector.in_flight_store_gpu_blocks),
+)
 def in_flight(state: Engine) -> Iterator[str]:
+    """the in-flight set equals the GPU blocks of queued flushes and in-flight store events
+    (eager mode); lazy mode keeps none"""
     c = state.connector
     expected = {
         i
@@ -297,7 +379,16 @@ def in_flight(state: Engine) -> Iterator[str]:
         )
 
 
+@invariant(
+    "RESET",
+    "transition",
+    "resets",
+    present=lambda s: bool(s.connector.reset_log or s.connector.prefix_reset_log),
+)
 def reset(state: Engine) -> Iterator[str]:
+    """after `reset()` no flush is queued; it returned True iff nothing was abandoned and the
+    CPU pool was idle, and then the CPU pool holds no key; a `reset_prefix_cache` that
+    returned True leaves neither the GPU's map nor the CPU's holding a key"""
     c = state.connector
     for r in c.reset_log:
         if c.pending_finished_stores:
@@ -312,33 +403,16 @@ def reset(state: Engine) -> Iterator[str]:
             yield f"reset_prefix_cache() returned True but the {tier} map still holds keys"
 
 
-def stats(state: Engine) -> Iterator[str]:
-    c = state.connector
-    queued = set(c.cpu_pool.free_queue)
-    in_use = sum(1 for b in c.cpu_pool.blocks if b.block_id not in queued)
-    storing = {i for t in _stores(state) for i in t.cpu_block_ids}
-    for r in c.stats_log:
-        report = r.report
-        if report.load_blocks != sum(r.loads):
-            yield f"stats report {report.load_blocks} loaded blocks; the loads completed: {r.loads}"
-        if report.used_blocks != in_use:
-            yield f"stats report {report.used_blocks} CPU blocks used; {in_use} are not free"
-        if report.pending_store_blocks != len(storing):
-            yield (
-                f"stats report {report.pending_store_blocks} pending store blocks, the stores "
-                f"not completed hold {len(storing)}"
-            )
-        if report.pending_store_blocks > max(0, report.used_blocks - 1):
-            yield "stats report more pending store blocks than CPU blocks in use"
-        decided = sorted(Counter(str(o) for o in r.outcomes).items())
-        if list(report.save_outcomes) != decided:
-            yield (
-                f"stats report hand-off outcomes {list(report.save_outcomes)}; those decided "
-                f"since the previous drain: {decided}"
-            )
-
-
+@invariant(
+    "EVENTS",
+    "state",
+    "events",
+    present=lambda s: bool(s.connector.store_event_counter or s.connector.load_event_counter),
+)
 def events(state: Engine) -> Iterator[str]:
+    """events are issued in order and never reused; every known event is below its counter; a
+    store event is processed once; partial counts stay below `world_size`; only outstanding
+    store events are marked failed"""
     c = state.connector
     for name, issued, counter in [
         ("store", c.issued_store_events, c.store_event_counter),
@@ -379,7 +453,15 @@ def events(state: Engine) -> Iterator[str]:
         yield f"store event {e} is marked failed but is not outstanding"
 
 
+@invariant(
+    "FLUSH-COMPLETE",
+    "state",
+    "final flush",
+    present=lambda s: any(any(r.confirmed_blocks) for r in s.finish_records),
+)
 def flush_complete(state: Engine) -> Iterator[str]:
+    """when a tracked request finishes, every confirmed full block has a disposition: stored,
+    already present, in flight, null, unhashed, or dropped for capacity"""
     for r in state.finish_records:
         for g, n in enumerate(r.confirmed_blocks):
             marks = r.dispositions[g] if g < len(r.dispositions) else {}
@@ -391,7 +473,14 @@ def flush_complete(state: Engine) -> Iterator[str]:
                 )
 
 
+@invariant(
+    "LOAD-PINNED",
+    "state",
+    "loads",
+    present=lambda s: bool(s.connector.pending_cpu_hits or _loads(s)),
+)
 def load_pinned(state: Engine) -> Iterator[str]:
+    """CPU blocks pinned by a lookup or a load are in use and mapped by their primary"""
     c = state.connector
     pinned = [b for hit in c.pending_cpu_hits.values() for g in hit.blocks for b in g]
     pinned += [c.cpu_pool.blocks[i] for t in _loads(state) for i in t.cpu_block_ids]
@@ -404,7 +493,10 @@ def load_pinned(state: Engine) -> Iterator[str]:
             yield f"cpu block {b.block_id} is pinned for a load but not mapped by its primary"
 
 
+@invariant("INTEGRITY", "state", "bytes", present=lambda s: bool(s.connector.cpu_pool.damaged))
 def integrity(state: Engine) -> Iterator[str]:
+    """a damaged block is a CPU block that still holds its key and is not in use: no lookup
+    pinned it, no load reads it"""
     if state.gpu_pool.damaged:
         yield f"gpu blocks {sorted(state.gpu_pool.damaged)} are damaged: only cpu blocks can be"
     cpu = state.connector.cpu_pool
@@ -416,7 +508,9 @@ def integrity(state: Engine) -> Iterator[str]:
             yield f"damaged cpu block {block_id} is in use (ref count {b.ref_cnt})"
 
 
+@invariant("NO-READ", "state", "hits", present=_skips_reading)
 def no_read(state: Engine) -> Iterator[str]:
+    """a request that skips reading the prefix cache holds no CPU hit and has no load"""
     c = state.connector
     for req_id, req in state.requests.items():
         if not req.skip_reading_prefix_cache:
@@ -427,7 +521,17 @@ def no_read(state: Engine) -> Iterator[str]:
             yield f"request {req_id!r} skips reading the prefix cache, yet loads from the CPU"
 
 
+@invariant(
+    "LAZY-SCAN",
+    "transition",
+    "selection",
+    # (a scan that took nothing it should have taken is what the check is for)
+    present=lambda s: bool(s.connector.lazy_scan_log),
+)
 def lazy_scan(state: Engine) -> Iterator[str]:
+    """a lazy selection takes, in queue order, every keyed block of the first `lazy_target_free`
+    of the GPU free queue whose key the CPU pool lacks, until as many as the CPU pool had
+    free; nothing else"""
     for scan in state.connector.lazy_scan_log:
         expected: list[int] = []
         for covered, (block_id, key, on_cpu) in enumerate(scan.queue):
@@ -442,7 +546,15 @@ def lazy_scan(state: Engine) -> Iterator[str]:
             )
 
 
+@invariant(
+    "LAZY-EVICT-FIRST",
+    "transition",
+    "free queue",
+    present=lambda s: any(r.freed for r in s.connector.lazy_return_log),
+)
 def lazy_evict_first(state: Engine) -> Iterator[str]:
+    """the GPU blocks of a completed lazy store that become free are the first of the GPU free
+    queue, in store order"""
     for ret in state.connector.lazy_return_log:
         head = ret.queue_after[: len(ret.freed)]
         if head != ret.freed:
@@ -452,7 +564,11 @@ def lazy_evict_first(state: Engine) -> Iterator[str]:
             )
 
 
+@invariant("WINDOW", "state", "tables", present=_table_has_null)
 def window(state: Engine) -> Iterator[str]:
+    """in a sliding-window group's table the null block is a prefix no longer than the blocks
+    wholly before the window of the request's computed tokens; a full-attention table holds
+    no null"""
     null = state.gpu_pool.null_block.block_id
     for req_id, groups in state.req_to_blocks.items():
         computed = state.requests[req_id].num_computed_tokens
@@ -470,7 +586,10 @@ def window(state: Engine) -> Iterator[str]:
                 )
 
 
+@invariant("MAMBA", "state", "tables", present=_mamba_held)
 def mamba(state: Engine) -> Iterator[str]:
+    """a Mamba group's table holds at most two blocks that are not null, one of them at its end
+    (the running state's, and the one it is copied from until the next allocation)"""
     null = state.gpu_pool.null_block.block_id
     for req_id, groups in state.req_to_blocks.items():
         for g in sorted(state.mamba_groups):
@@ -483,7 +602,11 @@ def mamba(state: Engine) -> Iterator[str]:
                 )
 
 
+@invariant("BOUNDARY", "transition", "stores", present=lambda s: bool(s.connector.boundary_log))
 def boundary(state: Engine) -> Iterator[str]:
+    """a boundary-state hand-off is stored only for a live tracked request (not finished, not
+    preempted in the step), its block not null, keyed, not in flight, its key not in the CPU
+    map; it is dropped as its request's being gone only when it is"""
     for r in state.connector.boundary_log:
         storable = r.live and not (
             r.is_null or r.key is None or r.was_in_flight or r.was_in_cpu_map
@@ -494,7 +617,11 @@ def boundary(state: Engine) -> Iterator[str]:
             yield f"a hand-off of {r.request_id} (gpu block {r.gpu_block_id}) was dropped, live"
 
 
+@invariant("TAIL", "transition", "final flush", present=lambda s: bool(s.connector.tail_log))
 def tail(state: Engine) -> Iterator[str]:
+    """with fine-grained CPU hits, a final flush stores the block holding its request's prompt
+    tail exactly when the block holds the tail's key, is neither in flight nor selected by
+    the scan, the CPU map lacks the key and the CPU pool has room"""
     for r in state.connector.tail_log:
         due = r.holds_key and not (r.was_in_flight or r.was_in_cpu_map or r.selected)
         if r.taken and not (due and r.room):
@@ -503,7 +630,10 @@ def tail(state: Engine) -> Iterator[str]:
             yield f"the final flush of {r.request_id} left its prompt tail behind: {r}"
 
 
+@invariant("RECOVER", "transition", "selection", present=lambda s: bool(s.connector.null_log))
 def recover(state: Engine) -> Iterator[str]:
+    """a store scan passes over a null position as null only when the GPU pool caches no block
+    under its key; otherwise it takes the cached block in its place"""
     for r in state.connector.null_log:
         if r.gpu_cached and r.recovered is None:
             yield (
@@ -512,7 +642,9 @@ def recover(state: Engine) -> Iterator[str]:
             )
 
 
+@invariant("POSITION", "transition", "selection", present=_picked)
 def position(state: Engine) -> Iterator[str]:
+    """a block a store scan takes for a position of a request holds that position's key"""
     for sel in state.connector.selection_log:
         for p in sel.picks:
             if p.key != p.position_key:
@@ -535,7 +667,12 @@ def _table_named(state: Engine, req_id: str) -> bool:
     return status is RequestStatus.RUNNING
 
 
+@invariant("TABLE", "state", "store state", present=_tables_named)
 def table(state: Engine) -> Iterator[str]:
+    """the store state of a running tracked request names as many blocks per group as its block
+    table, the same one wherever the table holds a block (a window's nulls stand where the
+    state names the block that left); that of a preempted request names none, unless a load
+    has brought its blocks back"""
     null = state.gpu_pool.null_block.block_id
     for req_id, store in state.connector.reqs_to_store.items():
         status = state.requests[req_id].status
@@ -553,7 +690,11 @@ def table(state: Engine) -> Iterator[str]:
                 )
 
 
+@invariant("LOAD-TARGET", "state", "loads", present=lambda s: bool(s.connector.reqs_to_load))
 def load_target(state: Engine) -> Iterator[str]:
+    """a load writes no GPU null block, and each block it writes is the one the loading
+    request's table holds in the group and at the position of the key of the CPU block it
+    reads"""
     c = state.connector
     null = state.gpu_pool.null_block.block_id
     sizes = state.config.group_block_sizes
@@ -575,7 +716,16 @@ def load_target(state: Engine) -> Iterator[str]:
                 )
 
 
+@invariant(
+    "EVENT-STORED",
+    "transition",
+    "kv events",
+    present=lambda s: bool(s.connector.stored_log),
+)
 def event_stored(state: Engine) -> Iterator[str]:
+    """a `stored` kv-cache event names a key the CPU map holds when it is published; its tokens,
+    if any, are `block_size` many and, chained from its parent in hash blocks, give the key's
+    digest"""
     hbs = state.config.hash_block_size
     for r in state.connector.stored_log:
         event = r.event
@@ -593,7 +743,42 @@ def event_stored(state: Engine) -> Iterator[str]:
             )
 
 
+@invariant("STATS", "transition", "stats", present=lambda s: bool(s.connector.stats_log))
+def stats(state: Engine) -> Iterator[str]:
+    """a drain of the stats reports the GPU blocks of the sent loads completed since the
+    previous drain, the CPU blocks outside the free queue and the CPU blocks of the stores
+    not completed (in flight, queued, abandoned), no more of those than are in use, and per
+    outcome the boundary-state hand-offs decided since the previous drain"""
+    c = state.connector
+    queued = set(c.cpu_pool.free_queue)
+    in_use = sum(1 for b in c.cpu_pool.blocks if b.block_id not in queued)
+    storing = {i for t in _stores(state) for i in t.cpu_block_ids}
+    for r in c.stats_log:
+        report = r.report
+        if report.load_blocks != sum(r.loads):
+            yield f"stats report {report.load_blocks} loaded blocks; the loads completed: {r.loads}"
+        if report.used_blocks != in_use:
+            yield f"stats report {report.used_blocks} CPU blocks used; {in_use} are not free"
+        if report.pending_store_blocks != len(storing):
+            yield (
+                f"stats report {report.pending_store_blocks} pending store blocks, the stores "
+                f"not completed hold {len(storing)}"
+            )
+        if report.pending_store_blocks > max(0, report.used_blocks - 1):
+            yield "stats report more pending store blocks than CPU blocks in use"
+        decided = sorted(Counter(str(o) for o in r.outcomes).items())
+        if list(report.save_outcomes) != decided:
+            yield (
+                f"stats report hand-off outcomes {list(report.save_outcomes)}; those decided "
+                f"since the previous drain: {decided}"
+            )
+
+
+@invariant("QUEUES", "state", "queues", present=lambda s: bool(s.waiting or s.running))
 def queues(state: Engine) -> Iterator[str]:
+    """the waiting and running queues partition the live requests; a request queued as holding
+    blocks is waiting and holds blocks; a parked load's reservation is of a waiting request,
+    a prefill's of a running one"""
     live = {r for r, req in state.requests.items() if req.status is not RequestStatus.FINISHED}
     waiting, running = set(state.waiting), set(state.running)
     if waiting & running or waiting | running != live or len(waiting) != len(state.waiting):
@@ -612,45 +797,12 @@ def queues(state: Engine) -> Iterator[str]:
             yield f"{r} has blocks reserved as prefilling, but is not running"
 
 
-CHECKS: dict[str, Callable[[Engine], Iterator[str]]] = {
-    "POOL-QUEUE": pool_queue,
-    "POOL-MAP": pool_map,
-    "POOL-PRIMARY": pool_primary,
-    "POOL-NULL": pool_null,
-    "POOL-FRESH": pool_fresh,
-    "REF-GPU": ref_gpu,
-    "REF-CPU": ref_cpu,
-    "KEYS": keys,
-    "SKIP": skip,
-    "CAPACITY": capacity,
-    "UNREACHABLE": unreachable,
-    "REGISTERED": registered,
-    "PENDING": pending,
-    "IN-FLIGHT": in_flight,
-    "RESET": reset,
-    "EVENTS": events,
-    "FLUSH-COMPLETE": flush_complete,
-    "LOAD-PINNED": load_pinned,
-    "INTEGRITY": integrity,
-    "NO-READ": no_read,
-    "LAZY-SCAN": lazy_scan,
-    "LAZY-EVICT-FIRST": lazy_evict_first,
-    "WINDOW": window,
-    "MAMBA": mamba,
-    "BOUNDARY": boundary,
-    "TAIL": tail,
-    "RECOVER": recover,
-    "POSITION": position,
-    "TABLE": table,
-    "LOAD-TARGET": load_target,
-    "EVENT-STORED": event_stored,
-    "STATS": stats,
-    "QUEUES": queues,
-}
+# The check order: the order of definition above.
+CHECKS: dict[str, Check] = {i.id: i.check for i in REGISTRY.values()}
 
 
 def violations(state: Engine) -> list[InvariantViolation]:
-    """Every violated invariant, in the order of ``CHECKS``."""
+    """Every violated invariant, in the order of :data:`REGISTRY`."""
     return [
         InvariantViolation(invariant, detail)
         for invariant, fn in CHECKS.items()
@@ -668,62 +820,4 @@ def check(state: Engine) -> None:
 def exercised(state: Engine) -> set[str]:
     """The invariants whose subject is present in this state, so that checking them here
     could have failed (for the campaign's coverage report)."""
-    c = state.connector
-    gpu, cpu = state.gpu_pool, c.cpu_pool
-    # (run once per driver call by every campaign: each subject looked for in one pass)
-    gpu_held, cpu_held = (
-        any(b.ref_cnt for b in gpu.blocks[1:]),
-        any(b.ref_cnt for b in cpu.blocks[1:]),
-    )
-    picked = any(s.picks for s in c.selection_log)
-    subjects = {
-        "POOL-QUEUE": gpu_held or cpu_held,
-        "POOL-MAP": bool(gpu.cached or cpu.cached),
-        "POOL-PRIMARY": any(
-            b.ref_cnt == 0 and b.block_hash is not None
-            for pool in (gpu, cpu)
-            for b in pool.blocks[1:]
-        ),
-        "POOL-NULL": True,
-        "POOL-FRESH": bool(gpu.allocation_log or cpu.allocation_log),
-        "REF-GPU": gpu_held,
-        "REF-CPU": cpu_held,
-        "KEYS": any(any(n) for n in state.num_cached_blocks.values()),
-        "SKIP": picked,
-        "CAPACITY": bool(c.selection_log),
-        "UNREACHABLE": bool(_stores(state) or c.dropped_log),
-        "REGISTERED": bool(c.completion_log),
-        "PENDING": c.has_pending_stores(),
-        "IN-FLIGHT": bool(c.in_flight_store_gpu_blocks),
-        "RESET": bool(c.reset_log or c.prefix_reset_log),
-        "EVENTS": bool(c.store_event_counter or c.load_event_counter),
-        "FLUSH-COMPLETE": any(any(r.confirmed_blocks) for r in state.finish_records),
-        "LOAD-PINNED": bool(c.pending_cpu_hits or _loads(state)),
-        "INTEGRITY": bool(cpu.damaged),
-        "LAZY-SCAN": any(s.picks for s in c.lazy_scan_log),
-        "LAZY-EVICT-FIRST": any(r.freed for r in c.lazy_return_log),
-        "WINDOW": any(
-            gpu.null_block.block_id in ids
-            for groups in state.req_to_blocks.values()
-            for ids in groups
-        ),
-        "MAMBA": any(
-            groups[g] for groups in state.req_to_blocks.values() for g in state.mamba_groups
-        ),
-        "BOUNDARY": bool(c.boundary_log),
-        "TAIL": bool(c.tail_log),
-        "RECOVER": bool(c.null_log),
-        "POSITION": picked,
-        "TABLE": any(
-            _table_named(state, r) for r, store in c.reqs_to_store.items() if not store.finished
-        ),
-        "LOAD-TARGET": bool(c.reqs_to_load),
-        "EVENT-STORED": bool(c.stored_log),
-        "STATS": bool(c.stats_log),
-        "QUEUES": bool(state.waiting or state.running),
-        "NO-READ": any(
-            r.skip_reading_prefix_cache and r.status is not RequestStatus.FINISHED
-            for r in state.requests.values()
-        ),
-    }
-    return {name for name, present in subjects.items() if present}
+    return {i.id for i in REGISTRY.values() if i.present(state)}

@@ -1,25 +1,29 @@
 """The bugs of vLLM issue #53498, and later releases' changes, as variants of the model.
 
+A variant that models one bug is named by that bug's id in the catalogue
+(:mod:`kvoffload.model.catalogue`), as the fault of the implementation and the row of the
+history that are the same bug are.
+
 Each bug variant overrides one step of :class:`~kvoffload.model.offload.OffloadScheduler`
 and reproduces what vLLM did before PR #53532. ``check()`` names the invariant each one
 breaks:
 
-- ``bug-53498-phantom-primary``: CPU blocks are stamped with the GPU block's primary at
+- ``phantom-primary``: CPU blocks are stamped with the GPU block's primary at
   allocation and the primary is then inserted through ``insert_block_hash`` without
   ``reset_hash``. Guard 1 returns early, so the primary never enters the map: the stored
   block is reachable by its secondary keys only. Caught by REGISTERED and POOL-PRIMARY.
-- ``bug-53498-no-final-flush``: finishing a request queues nothing, so blocks confirmed
+- ``no-final-flush``: finishing a request queues nothing, so blocks confirmed
   after its last scan are never stored. Caught by FLUSH-COMPLETE.
-- ``bug-53498-primary-only``: what vLLM 0.29.0 itself does (found by driving it, see
+- ``primary-only``: what vLLM 0.29.0 itself does (found by driving it, see
   ``docs/upstream.md``): the stamp at allocation is put into the map directly at completion,
   so the primary is reachable, without its token count, and no secondary key is registered.
   Caught by REGISTERED.
 - ``serves-skip-reading``: vLLM <= 0.29.0 (PR #54998, in 0.30.0): the connector serves a CPU
   hit to a request that skips reading the prefix cache (prompt logprobs), which vLLM's own
   prefix cache never serves. Caught by NO-READ (S12 of ``docs/history.md``).
-- ``window-no-recover``: vLLM <= 0.29.0 (S14): the store scan passes over the null block a
-  sliding window leaves, though the block that left the window is still cached in the GPU
-  free queue (0.30.0 stores it from there). Caught by RECOVER.
+- ``window-tail-not-recovered``: vLLM <= 0.29.0 (S14): the store scan passes over the null
+  block a sliding window leaves, though the block that left the window is still cached in the
+  GPU free queue (0.30.0 stores it from there). Caught by RECOVER.
 - ``window-stale-ids``: vLLM 0.24.0 to 0.34.0 (live; found by the machine): the store scan
   takes the block its copy of a sliding-window table names at a position, though the window
   freed it and another position reused it. Caught by POSITION and EVENT-STORED.
@@ -28,8 +32,8 @@ breaks:
   model runner's shape); resumed as a new request, as vLLM's newer model runner does, it
   keeps the old table and cursors and the new table goes after them, so the blocks it
   computes again are never stored. Caught by TABLE.
-- ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``bug-53498-primary-only`` and
-  ``bug-53498-no-final-flush``), ``serves-skip-reading``, ``window-no-recover``,
+- ``vllm-0.29``: vLLM 0.29.0 as it is: both bugs (``primary-only`` and
+  ``no-final-flush``), ``serves-skip-reading``, ``window-tail-not-recovered``,
   ``window-stale-ids``, ``preempt-keeps-table``, and its
   selection loop, whose cursors also pass over blocks that need no store while the CPU pool
   is full (``SharedBudgetScheduler``).
@@ -71,13 +75,13 @@ Chunked local attention had one up to 0.32.0, fixed in 0.33.0:
 Lazy mode had two bugs up to 0.33.0, fixed in 0.34.0 (the lazy scan of vLLM 0.30.0 to 0.33.0
 is the same code):
 
-- ``lazy-cursor`` (S27): the scan resumes after the block it visited last, a cursor kept
+- ``lazy-stale-cursor`` (S27): the scan resumes after the block it visited last, a cursor kept
   across steps and dropped only when that block leaves the free queue (or at ``reset()``);
   a cursor that moved (its block freed again elsewhere in the queue) skips the blocks
   before it, and so does one left behind blocks that need storing again (their CPU copy
   evicted). Caught by LAZY-SCAN.
-- ``lazy-tail`` (S26, #40332): a completed lazy store frees its GPU blocks to the tail of the
-  queue, as the most recently used, though the CPU now holds them. Caught by
+- ``lazy-returns-to-tail`` (S26, #40332): a completed lazy store frees its GPU blocks to the
+  tail of the queue, as the most recently used, though the CPU now holds them. Caught by
   LAZY-EVICT-FIRST.
 - ``lazy-0.33``: both.
 
@@ -99,6 +103,7 @@ from __future__ import annotations
 import functools
 
 from kvoffload.model.block_pool import AppendingBlockPool, Block, BlockPool
+from kvoffload.model.catalogue import canonical
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.engine import Request, SchedulerOutput
 from kvoffload.model.keys import BlockKey
@@ -234,7 +239,7 @@ class StepDedupScheduler(OffloadScheduler):
         return meta
 
 
-class LazyCursorScheduler(OffloadScheduler):
+class LazyStaleCursorScheduler(OffloadScheduler):
     """vLLM 0.30.0 to 0.33.0 (S27): the lazy scan starts after ``_cursor``, the block it
     visited last, unless that block has left the free queue (ref count above 0)."""
 
@@ -258,7 +263,7 @@ class LazyCursorScheduler(OffloadScheduler):
         return super().reset()
 
 
-class LazyTailScheduler(OffloadScheduler):
+class LazyReturnsToTailScheduler(OffloadScheduler):
     """vLLM 0.30.0 to 0.33.0 (S26, #40332): a completed lazy store's GPU blocks are freed as
     any others, the cached ones to the tail (most recently used)."""
 
@@ -266,7 +271,7 @@ class LazyTailScheduler(OffloadScheduler):
         self.gpu_pool.free_blocks(gpu_blocks)
 
 
-class WindowNoRecoverScheduler(OffloadScheduler):
+class WindowTailNotRecoveredScheduler(OffloadScheduler):
     """vLLM <= 0.29.0 (S14; 0.30.0 recovers with ``_cached_gpu_block``): the eager scan and
     the final flush pass over the null block a sliding window leaves in a table, so the
     blocks that left the window, though still cached in the GPU free queue, are never
@@ -434,16 +439,16 @@ _VLLM_029 = (
     NoFinalFlushScheduler,
     ServesSkipReadingScheduler,
     SharedBudgetScheduler,
-    WindowNoRecoverScheduler,
+    WindowTailNotRecoveredScheduler,
     WindowStaleIdsScheduler,
     PreemptKeepsTableScheduler,
     ResetGpuOnlyScheduler,
 )
 VARIANTS: dict[str, type[OffloadScheduler]] = {
     "fixed": OffloadScheduler,
-    "bug-53498-phantom-primary": PhantomPrimaryScheduler,
-    "bug-53498-no-final-flush": NoFinalFlushScheduler,
-    "bug-53498-primary-only": PrimaryOnlyScheduler,
+    "phantom-primary": PhantomPrimaryScheduler,
+    "no-final-flush": NoFinalFlushScheduler,
+    "primary-only": PrimaryOnlyScheduler,
     "vllm-0.29": type("Vllm029Scheduler", _VLLM_029, {}),
     "serves-skip-reading": ServesSkipReadingScheduler,
     "no-hit-pins": NoHitPinsScheduler,
@@ -462,15 +467,17 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
     ),
     "scan-breaks-unhashed": ScanBreaksUnhashedScheduler,
     "selection-0.29": SharedBudgetScheduler,
-    "window-no-recover": WindowNoRecoverScheduler,
+    "window-tail-not-recovered": WindowTailNotRecoveredScheduler,
     "window-stale-ids": WindowStaleIdsScheduler,
     "preempt-keeps-table": PreemptKeepsTableScheduler,
     "chunk-unaligned-hits": ChunkUnalignedHitsScheduler,
     "tail-at-prompt-end": TailAtPromptEndScheduler,
     "dcp-per-rank-blocks": DcpPerRankBlocksScheduler,
-    "lazy-cursor": LazyCursorScheduler,
-    "lazy-tail": LazyTailScheduler,
-    "lazy-0.33": type("Lazy033Scheduler", (LazyCursorScheduler, LazyTailScheduler), {}),
+    "lazy-stale-cursor": LazyStaleCursorScheduler,
+    "lazy-returns-to-tail": LazyReturnsToTailScheduler,
+    "lazy-0.33": type(
+        "Lazy033Scheduler", (LazyStaleCursorScheduler, LazyReturnsToTailScheduler), {}
+    ),
     "pool-0.23": AppendingPoolScheduler,
     "reset-releases-hits": ResetReleasesHitsScheduler,
     "inclusive-cpu": InclusiveCpuScheduler,
@@ -478,19 +485,31 @@ VARIANTS: dict[str, type[OffloadScheduler]] = {
 }
 # The variants that change what vLLM means to do; every other one models a bug.
 INTENDED = ("fixed", "reset-releases-hits", "inclusive-cpu", "selection-0.29", "pool-0.23")
+# The variants that are a release's bugs together; every other bug variant is one bug of the
+# catalogue (kvoffload.model.catalogue), under that bug's id.
+RELEASE_MODELS = ("vllm-0.29", "vllm-0.23", "vllm-0.21", "lazy-0.33")
+
+
+def _parts(variant: str) -> list[str]:
+    # A part may be an old name of a bug's variant (kvoffload.model.catalogue.RENAMED).
+    return [canonical(p) for p in variant.split("+")]
 
 
 def is_variant(variant: str) -> bool:
     """A variant of :data:`VARIANTS`, or a composition ``A+B`` of them."""
-    return isinstance(variant, str) and all(p in VARIANTS for p in variant.split("+"))
+    return isinstance(variant, str) and all(p in VARIANTS for p in _parts(variant))
+
+
+def scheduler_class(variant: str) -> type[OffloadScheduler]:
+    """The scheduler of ``variant``; a composition ``A+B`` has the behaviours of both."""
+    return _composed("+".join(_parts(variant)))
 
 
 @functools.cache
-def scheduler_class(variant: str) -> type[OffloadScheduler]:
-    """The scheduler of ``variant``; a composition ``A+B`` has the behaviours of both."""
+def _composed(variant: str) -> type[OffloadScheduler]:
     parts = variant.split("+")
     if len(parts) == 1:
-        return VARIANTS[variant]
+        return VARIANTS[parts[0]]
     # The fixed model is every variant's base: as a part it adds nothing.
     classes = [VARIANTS[p] for p in parts if VARIANTS[p] is not OffloadScheduler]
     return type(variant, tuple(dict.fromkeys(classes)) or (OffloadScheduler,), {})
@@ -499,4 +518,4 @@ def scheduler_class(variant: str) -> type[OffloadScheduler]:
 def keeps_invariants(variant: str) -> bool:
     """Whether ``variant`` keeps every invariant: the fixed model and later releases' changes
     do; a variant with a bug breaks one by design."""
-    return all(p in INTENDED for p in variant.split("+"))
+    return all(p in INTENDED for p in _parts(variant))

@@ -487,7 +487,7 @@ class LoadingConformanceMachine(ConformanceMachine):
     """The machine with one more rule, ``evict``, which makes CPU loads common. Campaigns
     (``kvoffload verify``, vLLM's releases) use it; the mutation matrix runs the rules above
     alone, since its targets are about shrinking and a rule that runs a whole scenario can
-    hold the shrinker in a longer counterexample (``lookup-pin-missing``: 12 rules with it,
+    hold the shrinker in a longer counterexample (``no-hit-pins``: 12 rules with it,
     4 without)."""
 
     fillers = 0  # fillers run by this program (each machine starts from the class's 0)

@@ -36,6 +36,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from kvoffload.model.catalogue import canonical
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError
 from kvoffload.model.limits import brief
@@ -294,6 +295,8 @@ def spec(name: str) -> TargetSpec:
     """The row of target ``name``, or :class:`UnknownTargetError`."""
     if not isinstance(name, str):
         raise UnknownTargetError(f"a target is named by a string, got {brief(name)}")
+    if name.startswith(FAULT):  # an old name of a fault reads as the bug's id
+        name = FAULT + canonical(name.removeprefix(FAULT))
     row = _all(faults=name.startswith(FAULT)).get(name)
     if row is None:
         _load_plugins()

@@ -20,7 +20,7 @@ def test_demo_of_the_fixed_model_passes_every_check(capsys: pytest.CaptureFixtur
 
 @pytest.mark.parametrize(
     ("variant", "invariant"),
-    [("bug-53498-no-final-flush", "FLUSH-COMPLETE"), ("bug-53498-phantom-primary", "POOL-PRIMARY")],
+    [("no-final-flush", "FLUSH-COMPLETE"), ("phantom-primary", "POOL-PRIMARY")],
 )
 def test_demo_of_a_bug_variant_stops_at_the_violated_invariant(
     variant: str, invariant: str, capsys: pytest.CaptureFixture[str]

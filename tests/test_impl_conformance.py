@@ -24,7 +24,7 @@ FAULT_SCENARIO = {
     "abandoned-store-registers": "reset-abandons-store",
     "pin-dropped-early": "final-flush-33",
     "partial-completions-dropped": "two-workers-report-apart",
-    "lookup-pin-missing": "failed-allocation-keeps-lookup-pin",
+    "no-hit-pins": "failed-allocation-keeps-lookup-pin",
     "store-skips-compute-wait": "final-flush-33",
     "integrity-spot-check": "damaged-block-passed-over",
     "failed-store-registers": "failed-store-dropped",
@@ -34,7 +34,7 @@ FAULT_SCENARIO = {
     "lazy-returns-to-tail": "lazy-store-return-and-load",
     "lazy-stale-cursor": "lazy-scan-after-cpu-eviction",
     "window-tail-not-recovered": "window-block-recovered",
-    "window-scan-breaks": "window-scan-passes-unkeyed",
+    "scan-breaks-unhashed": "window-scan-passes-unkeyed",
     "window-stale-ids": "window-block-reused",
     "preempt-keeps-table": "preempt-and-resume",
     "chunk-unaligned-hits": "chunk-hit-after-unaligned-prefix",
@@ -45,7 +45,7 @@ FAULT_SCENARIO = {
     "tail-stored-twice": "fine-grained-tail-filled-by-decode",
     "stats-pending-skips-abandoned": "stats-across-reset",
     "stats-load-count-kept": "stats-count-a-load-once",
-    "reset-reports-gpu-only": "prefix-reset-keeps-cpu",
+    "reset-gpu-only": "prefix-reset-keeps-cpu",
 }
 
 

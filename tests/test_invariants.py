@@ -1,18 +1,23 @@
 """Every invariant can fail: each test breaks one on purpose and ``check`` names it.
 
-A check that cannot fail proves nothing, so each ID in ``CHECKS`` has a corruption here.
+A check that cannot fail proves nothing, so each ID in ``CHECKS`` has a corruption here. The
+registry is docs/spec.md's table: the same IDs in the same order, kinds, subjects, statements
+and check functions.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Iterator
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
 from kvoffload.model import CHECKS, InvariantViolation, OffloadModel, check, violations
 from kvoffload.model.block_pool import FreshRecord
 from kvoffload.model.engine import FinishRecord
+from kvoffload.model.invariants import REGISTRY, exercised, invariant
 from kvoffload.model.keys import BlockKey
 from kvoffload.model.offload import (
     BoundaryRecord,
@@ -220,7 +225,74 @@ def test_breaking_an_invariant_is_reported_under_its_id(invariant: str) -> None:
     BREAKS[invariant](model)
     found = {v.invariant for v in violations(model.engine)}
     assert invariant in found
+    # a state that breaks an invariant has its subject: the check was exercised there
+    assert invariant in exercised(model.engine)
     with pytest.raises(InvariantViolation) as caught:
         check(model.engine)
     assert caught.value.invariant in found
     assert str(caught.value).startswith(caught.value.invariant + ": ")
+
+
+def _spec_rows() -> list[list[str]]:
+    text = (Path(__file__).resolve().parents[1] / "docs" / "spec.md").read_text()
+    section = text.split("## Invariants", 1)[1].split("\n## ", 1)[0]
+    return [
+        [cell.strip() for cell in line.strip("|").split(" | ")]
+        for line in section.splitlines()
+        if re.match(r"^\| [A-Z-]+ \| (state|transition) \|", line)
+    ]
+
+
+def test_the_spec_table_is_the_registry_in_its_check_order() -> None:
+    rows = _spec_rows()
+    assert [r[0] for r in rows] == list(REGISTRY) == list(CHECKS)
+    for (id_, kind, subject, statement, checked_by, _kept_by), inv in zip(
+        rows, REGISTRY.values(), strict=True
+    ):
+        assert (kind, subject) == (inv.kind, inv.subject), id_
+        assert statement == inv.statement, id_
+        assert checked_by == f"`invariants.{inv.check.__name__}`", id_
+
+
+def test_the_module_names_only_registered_invariants() -> None:
+    """No second list of the invariants to drift from the registry: the module's docstring
+    names none of them."""
+    import kvoffload.model.invariants as module
+
+    assert not set(re.findall(r"\b[A-Z]+(?:-[A-Z]+)+\b|\b[A-Z]{4,}\b", module.__doc__ or "")) & set(
+        REGISTRY
+    )
+
+
+def test_the_decorator_refuses_a_second_registration_and_a_check_without_statement() -> None:
+    def nothing(state: object) -> Iterator[str]:
+        yield from ()
+
+    with pytest.raises(ValueError, match="POOL-QUEUE is registered twice"):
+        invariant("POOL-QUEUE", "state", "pools", present=lambda s: True)(nothing)
+    with pytest.raises(ValueError, match="needs a kind and a statement"):
+        invariant("UNSTATED", "state", "pools", present=lambda s: True)(nothing)
+    assert "UNSTATED" not in REGISTRY
+
+
+def test_every_invariant_a_module_says_it_keeps_is_registered() -> None:
+    """A module's list of the invariants it keeps names registered IDs only (or the input
+    and data contracts), so a renamed or dropped invariant cannot linger in a docstring."""
+    import importlib
+    import pkgutil
+
+    import kvoffload.impl
+    import kvoffload.model
+
+    named: dict[str, set[str]] = {}
+    for package in (kvoffload.model, kvoffload.impl):
+        for info in pkgutil.iter_modules(package.__path__, package.__name__ + "."):
+            doc = importlib.import_module(info.name).__doc__ or ""
+            if "Invariants kept" in doc:
+                # (names in backquotes are code: a table, a function, not an invariant)
+                kept = re.sub(r"`[^`]*`", "", doc.split("Invariants kept", 1)[1])
+                named[info.name] = set(re.findall(r"\b[A-Z]+(?:-[A-Z]+)+\b|\b[A-Z]{4,}\b", kept))
+    assert "kvoffload.model.selection" in named and "kvoffload.impl.connector" in named
+    contracts = {"INPUT", "KV-BYTES"}
+    for module, ids in named.items():
+        assert ids <= set(REGISTRY) | contracts, (module, sorted(ids - set(REGISTRY)))

@@ -21,7 +21,7 @@ from helpers import registered
 
 # The model with the missing final flush of vLLM #53498 breaks its invariants by design; held
 # to them as if it kept them, it is a broken specification the machine must report as such.
-BROKEN = "bug-53498-no-final-flush"
+BROKEN = "no-final-flush"
 
 
 @pytest.fixture

@@ -201,7 +201,7 @@ def test_the_model_breaking_an_invariant_is_its_verdict_and_the_target_is_not_as
     for module in (page, lockstep):
         monkeypatch.setattr(module, "keeps_invariants", lambda variant: True)
     failure = _failure(adapter="impl")
-    variant = "bug-53498-no-final-flush"
+    variant = "no-final-flush"
     trace = page.record(adapters()["impl"], variant, failure.config, failure.program)
     expected = lockstep.disagreement(adapters()["impl"], variant, failure.config, failure.program)
     assert trace.difference == expected and expected is not None
@@ -415,7 +415,7 @@ def test_the_page_of_53498_on_vllm_0_29_shows_the_missing_flush(tmp_path: Path) 
                 "adapter": "vllm",
                 "release": "0.29.0",
                 # the fixed model with 0.29.0's other bug of #53498, so that the flush shows
-                "variant": "bug-53498-primary-only",
+                "variant": "primary-only",
                 "config": CONFIG,
                 "program": [["add", "r0", [0, 1, 2], 2], ["step", 8], ["drain"], ["step", 8]],
                 "disagreement": "call 3 ('step', 8): snapshots differ in ['pending_flushes']",

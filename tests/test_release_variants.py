@@ -93,8 +93,8 @@ def test_the_old_releases_break_only_what_their_bugs_break() -> None:
 
 def test_variants_compose() -> None:
     assert is_variant("vllm-0.23+step-dedup") and not is_variant("vllm-0.23+nope")
-    composed = scheduler_class("bug-53498-no-final-flush+selection-0.29")
-    assert composed is scheduler_class("bug-53498-no-final-flush+selection-0.29")
+    composed = scheduler_class("no-final-flush+selection-0.29")
+    assert composed is scheduler_class("no-final-flush+selection-0.29")
     assert keeps_invariants("selection-0.29+pool-0.23")
     assert not keeps_invariants("fixed+no-hit-pins")
     with pytest.raises(ConfigError, match="unknown variant 'fixed\\+nope'"):
@@ -105,9 +105,9 @@ def test_variants_compose() -> None:
     ("variant", "scenario", "invariant"),
     [
         ("serves-skip-reading", "skip-reading-after-eviction", "NO-READ"),
-        ("lazy-cursor", "lazy-scan-after-cpu-eviction", "LAZY-SCAN"),
-        ("lazy-tail", "lazy-store-return-and-load", "LAZY-EVICT-FIRST"),
-        ("window-no-recover", "window-block-recovered", "RECOVER"),
+        ("lazy-stale-cursor", "lazy-scan-after-cpu-eviction", "LAZY-SCAN"),
+        ("lazy-returns-to-tail", "lazy-store-return-and-load", "LAZY-EVICT-FIRST"),
+        ("window-tail-not-recovered", "window-block-recovered", "RECOVER"),
         ("window-stale-ids", "window-block-reused", "POSITION"),
         ("reset-gpu-only", "prefix-reset-keeps-cpu", "RESET"),
         ("chunk-unaligned-hits", "chunk-hit-after-unaligned-prefix", "LOAD-TARGET"),

@@ -28,7 +28,7 @@ from kvoffload.testing.failure import (
 
 # The model without #53498's final flush breaks its invariants by design; the scheduler
 # machine's model alone, held to them as if it kept them, must report it as the model broke.
-BROKEN = "bug-53498-no-final-flush"
+BROKEN = "no-final-flush"
 
 
 @pytest.fixture(scope="module")

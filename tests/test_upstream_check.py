@@ -159,16 +159,16 @@ Case = tuple[str, list[tuple[Any, ...]], str, str | None]
 CASES: dict[str, list[Case]] = {
     "0.29.0": [
         (SMALL, STAMP, "fixed", "call 3 ('step', 2): snapshots differ in ['cpu']"),
-        (SMALL, FLUSH, "bug-53498-primary-only", "pending_flushes"),
+        (SMALL, FLUSH, "primary-only", "pending_flushes"),
         (SMALL, STAMP, "vllm-0.29", None),
         (SMALL, FLUSH, "vllm-0.29", None),
-        (SMALL, CURSOR, "bug-53498-primary-only", "snapshots differ in ['tracked']"),
+        (SMALL, CURSOR, "primary-only", "snapshots differ in ['tracked']"),
         (SMALL, CURSOR, "vllm-0.29", None),
         (LARGE, SKIP_READING, "vllm-0.29", None),
         (
             LARGE,
             SKIP_READING,
-            "bug-53498-primary-only+bug-53498-no-final-flush+selection-0.29",
+            "primary-only+no-final-flush+selection-0.29",
             "call 8 ('step', 16): model returned StepResult(scheduled={'r1': (0, 9)}",
         ),
     ],

@@ -38,19 +38,19 @@ def test_fixed_model_serves_the_repeat_from_cpu() -> None:
 
 
 def test_no_final_flush_loses_the_last_block_and_flush_complete_catches_it() -> None:
-    model, hit = _run_reference_scenario("bug-53498-no-final-flush")
+    model, hit = _run_reference_scenario("no-final-flush")
     assert hit == 16  # the block confirmed after the last scan was never stored
     assert _ids(model) == {"FLUSH-COMPLETE"}
 
 
 def test_phantom_primary_makes_stored_blocks_unreachable_by_their_primary() -> None:
-    model, hit = _run_reference_scenario("bug-53498-phantom-primary")
+    model, hit = _run_reference_scenario("phantom-primary")
     assert hit == 0
     assert {"POOL-PRIMARY"} <= _ids(model)
 
 
 def test_phantom_primary_is_caught_at_the_completion_that_creates_it() -> None:
-    model = make(variant="bug-53498-phantom-primary")
+    model = make(variant="phantom-primary")
     model.checked = False
     model.add_request("r", prompt(40), max_tokens=3)
     model.step(16)
@@ -78,7 +78,7 @@ def _store_with_prompt_tail(variant: str) -> OffloadModel:
 
 def test_phantom_primary_keeps_secondary_keys_reachable() -> None:
     """Stamp then insert: the secondary lands, the primary does not (vLLM #53498)."""
-    cached = _store_with_prompt_tail("bug-53498-phantom-primary").snapshot().cpu.cached
+    cached = _store_with_prompt_tail("phantom-primary").snapshot().cpu.cached
     assert [key.num_tokens for key, _ in cached] == [10]  # only the prompt-tail secondary
 
 
@@ -88,7 +88,7 @@ def test_phantom_primary_keeps_secondary_keys_reachable() -> None:
 def test_primary_only_registers_the_stamp_without_count_or_secondary_keys() -> None:
     """vLLM 0.29.0: the stamped primary is inserted into the map directly at completion, so
     the block is reachable by it, with no token count, and its secondary keys are lost."""
-    model = _store_with_prompt_tail("bug-53498-primary-only")
+    model = _store_with_prompt_tail("primary-only")
     cpu = model.snapshot().cpu
     registered = [b for b in cpu.blocks if b.primary is not None]
     assert registered, "nothing was stored"

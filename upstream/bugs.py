@@ -1,6 +1,8 @@
 """The history of vLLM's SimpleCPUOffload bugs: the 29 fixed upstream between vLLM 0.19.0
 and 0.34.0, each with the last release that has it and the first with its fix, as read from
 the shipped wheels (release against release diffs of the connector and the block pool).
+Each row is a bug of the catalogue (:mod:`kvoffload.model.catalogue`), which gives its id,
+its number (S1 to S29), its reference and its title.
 
 For a bug in the model's reach, ``isolation`` is the model the last buggy release is
 compared with: the model of the first release with the fix, in which that release's *other*
@@ -10,23 +12,23 @@ description: a snapshot field, a result); ``fixed_variant`` is the model the fix
 conforms to; ``method`` says how the bug was isolated. A bug out of reach says what the
 machine lacks to reach it (``out_of_reach``).
 
-Invariants: ids are unique and in order; a bug is either in reach, with every field of its
-checks, or out of reach with the reason; its last buggy release comes before its fix.
+Invariants: the rows are the catalogue's S1 to S29, each once and in order; a bug is either
+in reach, with every field of its checks, or out of reach with the reason; its last buggy
+release comes before its fix.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvoffload.model.catalogue import BY_ID, canonical
 from kvoffload.model.errors import ConfigError
 from kvoffload.vllm_target.releases import Check
 
 
 @dataclass(frozen=True)
 class HistoricalBug:
-    id: str
-    ref: str
-    title: str
+    bug: str  # its id in the bug catalogue (kvoffload.model.catalogue), which numbers the row
     buggy: str  # the last release with the bug
     fixed: str  # the first release with its fix
     isolation: str | None = None  # the model the buggy release is compared with
@@ -34,6 +36,21 @@ class HistoricalBug:
     finds: str | None = None  # what the first difference must name (``a|b``: either)
     method: str = ""  # how the bug is isolated from the buggy release's other bugs
     out_of_reach: str | None = None  # why the machine cannot reach it yet
+
+    @property
+    def id(self) -> str:
+        """The row's number in the history (S1 to S29)."""
+        number = BY_ID[self.bug].history
+        assert number is not None, f"{self.bug} has no row in the history"
+        return number
+
+    @property
+    def ref(self) -> str:
+        return BY_ID[self.bug].ref
+
+    @property
+    def title(self) -> str:
+        return BY_ID[self.bug].title
 
     @property
     def in_scope(self) -> bool:
@@ -51,10 +68,10 @@ class HistoricalBug:
 
 
 # vLLM 0.29.0's other bugs and its selection loop, which the fixed model of 0.30.0 has not.
-_S10 = "bug-53498-primary-only"
-_S9 = "bug-53498-no-final-flush"
+_S10 = "primary-only"
+_S9 = "no-final-flush"
 _S12 = "serves-skip-reading"
-_S14 = "window-no-recover"
+_S14 = "window-tail-not-recovered"
 # vLLM 0.30.0 to 0.33.0's lazy mode (S26 and S27), which every fixed model of them includes.
 _LAZY = "lazy-0.33"
 # Live in every release that draws sliding windows and resets (0.24.0 to 0.34.0), so every
@@ -70,9 +87,7 @@ _S24 = "chunk-unaligned-hits"
 _S28 = "tail-at-prompt-end"
 BUGS: list[HistoricalBug] = [
     HistoricalBug(
-        "S1",
-        "#39702, PR #42289",
-        "CPU hits not pinned between lookup and allocation (TOCTOU)",
+        "no-hit-pins",
         "0.21.0",
         "0.22.0",
         "vllm-0.23+step-dedup+scan-breaks-unhashed",
@@ -81,9 +96,7 @@ BUGS: list[HistoricalBug] = [
         "0.21.0's other bug (S2) and its scan's stop at an unkeyed block modelled",
     ),
     HistoricalBug(
-        "S2",
-        "PR #41289",
-        "in-flight stores deduplicated within a step only: a block stored twice",
+        "step-dedup",
         "0.21.0",
         "0.22.0",
         "vllm-0.23+no-hit-pins+scan-breaks-unhashed",
@@ -92,35 +105,27 @@ BUGS: list[HistoricalBug] = [
         "0.21.0's other bug (S1) and its scan's stop at an unkeyed block modelled",
     ),
     HistoricalBug(
-        "S3",
-        "PR #42296",
-        "scheduler vs hash block size; masked sliding-window blocks",
+        "scan-breaks-unhashed",
         "0.21.0",
         "0.22.0",
         out_of_reach="sliding-window groups of another block size",
     ),
     HistoricalBug(
-        "S4",
-        "#45704, PR #46278",
-        "store copy not fenced after the step's compute",
+        "store-skips-compute-wait",
         "0.23.0",
         "0.24.0",
         out_of_reach="the worker's copy streams (a GPU target); the implementation has it "
         "as the fault store-skips-compute-wait",
     ),
     HistoricalBug(
-        "S5",
-        "PR ?",
-        "load_event_to_reqs handed to the metadata by reference",
+        "metadata-by-reference",
         "0.23.0",
         "0.24.0",
         out_of_reach="a worker reading the metadata after the scheduler changed it (the "
         "adapter reads it when it is built)",
     ),
     HistoricalBug(
-        "S6",
-        "PR #46394",
-        "DCP/PCP global-token conversions",
+        "dcp-per-rank-blocks",
         "0.24.0",
         "0.25.0",
         "vllm-0.29",
@@ -129,25 +134,19 @@ BUGS: list[HistoricalBug] = [
         "0.24.0's other bugs (those of 0.29.0's model) modelled",
     ),
     HistoricalBug(
-        "S7",
-        "PR ?",
-        "PCP no longer scales block sizes",
+        "pcp-block-sizes",
         "0.25.1",
         "0.26.0",
         out_of_reach="prefill context parallelism (PCP); DCP alone is modelled",
     ),
     HistoricalBug(
-        "S8",
-        "PR #49071",
-        "EAGLE mode not propagated to the CPU lookup",
+        "eagle-lookup",
         "0.26.0",
         "0.27.0",
         out_of_reach="speculative decoding",
     ),
     HistoricalBug(
-        "S9",
-        "#53498 (bug 2), PR #53532",
-        "no final flush at request finish",
+        "no-final-flush",
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S12}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
@@ -157,9 +156,7 @@ BUGS: list[HistoricalBug] = [
         "window scan (S14) and selection loop modelled",
     ),
     HistoricalBug(
-        "S10",
-        "#53498 (bug 1), PR #53532",
-        "stores registered without _insert_block_hash: stamped primary, no secondary keys",
+        "primary-only",
         "0.29.0",
         "0.30.0",
         f"{_S9}+{_S12}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
@@ -169,18 +166,14 @@ BUGS: list[HistoricalBug] = [
         "window scan (S14) and selection loop modelled",
     ),
     HistoricalBug(
-        "S11",
-        "PR #54325",
-        "BlockStored events of the CPU tier",
+        "cpu-stored-events",
         "0.29.0",
         "0.30.0",
         out_of_reach="0.29.0's kv-cache events (the machine compares events from 0.30.0 on; no "
         "variant models the earlier ones yet)",
     ),
     HistoricalBug(
-        "S12",
-        "PR #54998",
-        "skip_reading_prefix_cache not respected: a CPU hit served to a prompt-logprobs request",
+        "serves-skip-reading",
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S9}+{_S14}+selection-0.29+{_LIVE}+{_S20}",
@@ -192,18 +185,14 @@ BUGS: list[HistoricalBug] = [
         "selection loop modelled",
     ),
     HistoricalBug(
-        "S13",
-        "PR #54736",
-        "fine-grained hybrid hits, FA partial tail at finish",
+        "no-partial-tail",
         "0.29.0",
         "0.30.0",
         out_of_reach="fine-grained partial hits (a Mamba group larger than the hash block) "
         "and 0.29.0's positional scan of Mamba tables",
     ),
     HistoricalBug(
-        "S14",
-        "PR ?",
-        "sliding-window retained tail nulled in the block table, never stored",
+        "window-tail-not-recovered",
         "0.29.0",
         "0.30.0",
         f"{_S10}+{_S9}+{_S12}+selection-0.29+{_LIVE}+{_S20}",
@@ -215,49 +204,37 @@ BUGS: list[HistoricalBug] = [
         "skip reading (S12) and selection loop modelled",
     ),
     HistoricalBug(
-        "S15",
-        "PR ?",
-        "DCP scales only full-attention groups",
+        "dcp-hybrid-groups",
         "0.29.0",
         "0.30.0",
         out_of_reach="DCP/PCP with hybrid groups",
     ),
     HistoricalBug(
-        "S16",
-        "PR #56621",
-        "CPU stores on steps without a forward pass",
+        "no-forward-stores",
         "0.29.0",
         "0.30.0",
         out_of_reach="the worker's no-forward steps (a GPU target)",
     ),
     HistoricalBug(
-        "S17",
-        "PR ?",
-        "per-tensor block regions for mixed page sizes",
+        "mixed-page-sizes",
         "0.29.0",
         "0.30.0",
         out_of_reach="the worker's KV layouts (a GPU target)",
     ),
     HistoricalBug(
-        "S18",
-        "PR ?",
-        "disk backend DMA events",
+        "disk-dma-events",
         "0.29.0",
         "0.30.0",
         out_of_reach="the disk backend (a GPU target)",
     ),
     HistoricalBug(
-        "S19",
-        "PR #55033",
-        "non-prefix-cacheable groups skipped",
+        "uncacheable-groups",
         "0.30.0",
         "0.31.0",
         out_of_reach="special hybrid groups and lazy mode",
     ),
     HistoricalBug(
-        "S20",
-        "PR #57816",
-        "eager-store placement reset on preemption (MRV2)",
+        "preempt-keeps-table",
         "0.31.0",
         "0.32.0",
         f"{_LAZY}+{_LIVE}+{_S24}",
@@ -266,9 +243,7 @@ BUGS: list[HistoricalBug] = [
         "0.31.0's lazy mode (S26, S27) and reset (S21) modelled",
     ),
     HistoricalBug(
-        "S21",
-        "PR ?",
-        "reset() keeps the pins of CPU hits not yet allocated",
+        "reset-keeps-hit-pins",
         "0.31.0",
         "0.32.0",
         f"reset-releases-hits+{_LAZY}+{_LIVE}+{_S20}+{_S24}",
@@ -277,25 +252,19 @@ BUGS: list[HistoricalBug] = [
         "0.31.0's lazy mode (S26, S27) and resumption (S20) modelled",
     ),
     HistoricalBug(
-        "S22",
-        "PR ?",
-        "cacheable prefix from the coordinator",
+        "coordinator-prefix",
         "0.31.0",
         "0.32.0",
         out_of_reach="hybrid retention intervals and hash lookahead",
     ),
     HistoricalBug(
-        "S23",
-        "#50821, PR #52921",
-        "CPU pool size across PP and draft workers",
+        "pool-size-across-workers",
         "0.32.0",
         "0.33.0",
         out_of_reach="workers with different KV layouts (a GPU target)",
     ),
     HistoricalBug(
-        "S24",
-        "PR ?",
-        "chunked-local hits start on a chunk boundary",
+        "chunk-unaligned-hits",
         "0.32.0",
         "0.33.0",
         f"reset-releases-hits+{_LAZY}+{_LIVE}",
@@ -304,9 +273,7 @@ BUGS: list[HistoricalBug] = [
         "0.32.0's lazy mode (S26, S27) modelled",
     ),
     HistoricalBug(
-        "S25",
-        "#39972",
-        "CPU copy of a GPU-hot prefix never refreshed in the CPU LRU",
+        "cpu-lru-not-refreshed",
         "0.33.0",
         "0.34.0",
         f"inclusive-cpu+{_LAZY}+{_LIVE}+{_S28}",
@@ -315,34 +282,27 @@ BUGS: list[HistoricalBug] = [
         "0.33.0's lazy mode (S26, S27) and final flush's prompt tail (S28) modelled",
     ),
     HistoricalBug(
-        "S26",
-        "#40332",
-        "lazy mode returns offloaded blocks to the MRU end",
+        "lazy-returns-to-tail",
         "0.33.0",
         "0.34.0",
-        f"reset-releases-hits+lazy-cursor+{_LIVE}+{_S28}",
+        f"reset-releases-hits+lazy-stale-cursor+{_LIVE}+{_S28}",
         f"inclusive-cpu+{_LIVE}",
         "gpu: free queue",
         "0.33.0's scan cursor (S27) modelled, and its eager mode (without S25's refresh, "
         "with S28's prompt tail)",
     ),
     HistoricalBug(
-        "S27",
-        "PR ?",
-        "lazy mode's stale scan cursor: blocks behind it never stored",
+        "lazy-stale-cursor",
         "0.33.0",
         "0.34.0",
-        f"reset-releases-hits+lazy-tail+{_LIVE}+{_S28}",
+        f"reset-releases-hits+lazy-returns-to-tail+{_LIVE}+{_S28}",
         f"inclusive-cpu+{_LIVE}",
         "model returned StepResult",
         "0.33.0's return of lazy stores to the tail (S26) modelled, and its eager mode "
         "(without S25's refresh, with S28's prompt tail)",
     ),
     HistoricalBug(
-        "S28",
-        "PR ?",
-        "the final flush looks for the FA prompt tail at the prompt's end, not where the GPU "
-        "keys it (before the last token): a prompt ending on a hash boundary leaves it behind",
+        "tail-at-prompt-end",
         "0.33.0",
         "0.34.0",
         f"reset-releases-hits+{_LAZY}+{_LIVE}",
@@ -351,9 +311,7 @@ BUGS: list[HistoricalBug] = [
         "0.33.0's lazy mode (S26, S27) modelled, and its eager mode (without S25's refresh)",
     ),
     HistoricalBug(
-        "S29",
-        "PR ?",
-        "host buffer pinned in bounded chunks",
+        "host-buffer-chunks",
         "0.33.0",
         "0.34.0",
         out_of_reach="the worker's host buffers (a GPU target)",
@@ -362,11 +320,14 @@ BUGS: list[HistoricalBug] = [
 
 
 def select(only: str | None) -> list[HistoricalBug]:
-    """The bugs ``only`` names (``S1,S9``), every one when None."""
+    """The bugs ``only`` names, by row (``S1,S9``) or by id (``no-final-flush``), every one
+    when None."""
     if not only:
         return BUGS
     wanted = [part.strip() for part in only.split(",") if part.strip()]
     known = {b.id: b for b in BUGS}
+    by_id = {b.bug: b.id for b in BUGS}
+    wanted = [by_id.get(canonical(w), w) for w in wanted]
     unknown = [w for w in wanted if w not in known]
     if unknown or not wanted:
         raise ConfigError(f"unknown bugs {unknown or [only]}; known: {', '.join(known)}")

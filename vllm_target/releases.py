@@ -78,7 +78,7 @@ RELEASES = {
             (
                 Check("fixed", "disagree", "a bug of #53498 against the fixed model"),
                 Check(
-                    "bug-53498-primary-only+serves-skip-reading+window-no-recover+window-stale-ids"
+                    "primary-only+serves-skip-reading+window-tail-not-recovered+window-stale-ids"
                     "+reset-gpu-only+preempt-keeps-table+selection-0.29",
                     "disagree",
                     "with its registration, its CPU hits for requests that skip reading, its "
