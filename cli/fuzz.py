@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import random
 import re
@@ -60,7 +59,13 @@ from urllib.parse import unquote, unquote_plus, urlsplit
 from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase
 
 from kvoffload.model.errors import ConfigError, KVOffloadError, SetupError
-from kvoffload.model.limits import MAX_SECONDS, MAX_SEED, brief, cores, cut
+from kvoffload.model.limits import (
+    brief,
+    cut,
+    require_processes,
+    require_seconds,
+    require_seed,
+)
 from kvoffload.testing import isolation
 from kvoffload.testing.failure import Failure, model_broke, save, validate
 from kvoffload.vllm_target.forms import is_vllm_target
@@ -381,22 +386,10 @@ class _Worker:
 
 def check_bounds(workers: int, seconds: float, seed: int | None) -> None:
     """The work asked for within :mod:`kvoffload.model.limits`, or :class:`ConfigError`."""
-    if isinstance(workers, bool) or not isinstance(workers, int) or not 1 <= workers <= cores():
-        raise ConfigError(
-            f"workers must be from 1 to {cores()} (the cores here), got {brief(workers)}"
-        )
-    if (
-        isinstance(seconds, bool)
-        or not isinstance(seconds, (int, float))
-        or not math.isfinite(seconds)
-        or not 0 < seconds <= MAX_SECONDS
-    ):
-        raise ConfigError(
-            f"seconds must be finite, > 0 and at most {MAX_SECONDS:.0f} (a week), "
-            f"got {brief(seconds)}"
-        )
-    if seed is not None and (isinstance(seed, bool) or not 0 <= seed <= MAX_SEED):
-        raise ConfigError(f"the seed must be from 0 to {MAX_SEED}, got {brief(seed)}")
+    require_processes(workers, "workers")
+    require_seconds(seconds)
+    if seed is not None:
+        require_seed(seed)
 
 
 def run_fuzz(

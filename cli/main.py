@@ -18,18 +18,24 @@ anything runs; an error is one line, the values it shows cut short.
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import Any, NoReturn, TypeVar
 
 from kvoffload import __version__
 from kvoffload.model.errors import ConfigError, KVOffloadError, SetupError
-from kvoffload.model.limits import MAX_SECONDS, MAX_SEED, brief, cores, cut
+from kvoffload.model.limits import (
+    brief,
+    cores,
+    cut,
+    require_processes,
+    require_seconds,
+    require_seed,
+)
 from kvoffload.model.variants import VARIANTS
 from kvoffload.vllm_target.forms import is_vllm_target
 
@@ -58,31 +64,36 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {cut(message)}\n")
 
 
+T = TypeVar("T")
+
+
 def seconds(text: str) -> float:
     """A finite number of seconds greater than zero."""
     try:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{brief(text)} is not a number of seconds") from None
-    if not math.isfinite(value) or not 0 < value <= MAX_SECONDS:
-        raise argparse.ArgumentTypeError(
-            f"seconds must be finite, > 0 and at most {MAX_SECONDS:.0f} (a week), got {brief(text)}"
-        )
-    return value
+    return _within(require_seconds, value, text)
 
 
-def _whole(text: str, minimum: int, maximum: int, what: str = "") -> int:
+def _whole(text: str) -> int:
     if len(text) > 40:  # (converting a digit string takes time quadratic in its length)
         raise argparse.ArgumentTypeError(f"{brief(text)} is longer than any number taken here")
     try:
-        value = int(text)
+        return int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{brief(text)} is not a whole number") from None
-    if not minimum <= value <= maximum:
-        raise argparse.ArgumentTypeError(
-            f"must be from {minimum} to {maximum}{what}, got {brief(value)}"
-        )
-    return value
+
+
+def _within(bound: Callable[[Any], T], value: object, text: str) -> T:
+    """``value`` (read from ``text``) checked against its bound in
+    :mod:`kvoffload.model.limits`, the one place the bounds are kept: the bound's words,
+    ending in what was typed."""
+    try:
+        return bound(value)
+    except ConfigError as error:
+        said = str(error).rsplit(", got ", 1)[0]
+        raise argparse.ArgumentTypeError(f"{said}, got {brief(text)}") from None
 
 
 # The mutation matrix's campaigns are independent and CPU-bound: one process per core, and
@@ -96,12 +107,12 @@ JOBS_HELP = (
 
 def processes(text: str) -> int:
     """A whole number of processes from 1 to the cores here (``--jobs``, ``--workers``)."""
-    return _whole(text, 1, cores(), f" (the cores here: {cores()})")
+    return _within(require_processes, _whole(text), text)
 
 
 def seed(text: str) -> int:
     """A whole number from 0 to :data:`~kvoffload.model.limits.MAX_SEED` (a seed)."""
-    return _whole(text, 0, MAX_SEED)
+    return _within(require_seed, _whole(text), text)
 
 
 def output_file(text: str) -> str:

@@ -15,8 +15,11 @@ of the length cut, so that an error naming a value of any size stays one short l
 from __future__ import annotations
 
 import itertools
+import math
 import os
 import reprlib
+
+from kvoffload.model.errors import ConfigError
 
 # -- a configuration (kvoffload.model.config.OffloadConfig) -------------------------------
 # Blocks of one pool, the null block included: 4M, four times the scheduler benchmark's
@@ -62,6 +65,37 @@ def cores() -> int:
         return len(os.sched_getaffinity(0)) or 1
     except AttributeError:  # a system without affinity masks
         return os.cpu_count() or 1
+
+
+def require_seconds(value: object) -> float:
+    """A run's seconds: finite, above 0, at most :data:`MAX_SECONDS`; or ConfigError."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not 0 < value <= MAX_SECONDS
+    ):
+        raise ConfigError(
+            f"seconds must be finite, > 0 and at most {MAX_SECONDS:.0f} (a week), "
+            f"got {brief(value)}"
+        )
+    return float(value)
+
+
+def require_processes(value: object, what: str = "processes") -> int:
+    """A number of processes to run at once: 1 to :func:`cores`; or ConfigError."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= cores():
+        raise ConfigError(
+            f"{what} must be from 1 to {cores()} (the cores here), got {brief(value)}"
+        )
+    return value
+
+
+def require_seed(value: object) -> int:
+    """A seed: a whole number from 0 to :data:`MAX_SEED`; or ConfigError."""
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEED:
+        raise ConfigError(f"the seed must be from 0 to {MAX_SEED}, got {brief(value)}")
+    return value
 
 
 def brief(value: object, limit: int = MAX_SHOWN) -> str:

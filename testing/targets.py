@@ -261,11 +261,13 @@ def unregister(name: str) -> None:
 
 def _load_plugins() -> None:
     """The rows other installed packages declare (entry points of :data:`ENTRY_POINTS`),
-    once; a plugin that fails to load is an error naming it, never a silent miss."""
+    once. A plugin that fails to load, or declares a name already taken, is an error naming
+    it, never a silent miss; then no plugin's row is added, and the next lookup says so
+    again."""
     global _plugins_loaded
     if _plugins_loaded:
         return
-    _plugins_loaded = True
+    new: dict[str, TargetSpec] = {}
     for entry in importlib.metadata.entry_points(group=ENTRY_POINTS):
         try:
             row = entry.load()
@@ -273,12 +275,24 @@ def _load_plugins() -> None:
             raise ConfigError(
                 f"the target plugin {entry.name!r} ({entry.value}) cannot be loaded: {error}"
             ) from error
-        if isinstance(row, TargetSpec) and row.name not in _all(faults=False):
-            register(row)
-        elif not isinstance(row, TargetSpec):
+        if not isinstance(row, TargetSpec):
             raise ConfigError(
                 f"the target plugin {entry.name!r} ({entry.value}) is not a TargetSpec"
             )
+        taken = _all(faults=False).get(row.name) or new.get(row.name)
+        if taken is row:
+            continue  # the plugin's module registered it when it was imported
+        if taken is not None or row.name.startswith(FAULT):
+            # Two rows under one name: which one a run meant cannot be told.
+            raise ConfigError(
+                f"the target plugin {entry.name!r} ({entry.value}) declares the target "
+                f"{row.name!r}, which {'kvoffload' if row.name in _built_in() else 'another'}"
+                " already registers"
+            )
+        new[row.name] = row
+    for row in new.values():
+        register(row)
+    _plugins_loaded = True
 
 
 def _all(faults: bool = True) -> dict[str, TargetSpec]:

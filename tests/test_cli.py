@@ -26,7 +26,7 @@ SECONDS = "seconds must be finite, > 0 and at most 604800 (a week), got"
         (["history", "--seconds", "604801"], f"{SECONDS} '604801'"),
         (["fuzz", "--seconds", "0"], f"{SECONDS} '0'"),
         (["verify", "--seconds", "soon"], "'soon' is not a number of seconds"),
-        (["verify", "--seed", "-1"], f"must be from 0 to {MAX_SEED}, got -1"),
+        (["verify", "--seed", "-1"], f"must be from 0 to {MAX_SEED}, got '-1'"),
         (["verify", "--seed", str(MAX_SEED + 1)], f"must be from 0 to {MAX_SEED}, got"),
         (["fuzz", "--workers", "0"], f"must be from 1 to {cores()} (the cores here"),
         (["fuzz", "--workers", str(cores() + 1)], f"must be from 1 to {cores()} (the cores"),

@@ -4,9 +4,13 @@ in docs/conformance.md, value for value; a value of any size is shown short in a
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from kvoffload.model import limits
+from kvoffload.model.errors import ConfigError
 
 DOCS = Path(__file__).parents[1] / "docs" / "conformance.md"
 
@@ -62,3 +66,28 @@ def test_a_value_that_repr_cannot_write_is_still_shown_short() -> None:
     assert "an int of " in limits.brief([10**10_000])
     assert limits.brief(holds_itself).endswith("(list of 1 item)")
     assert "_BrokenRepr" in limits.brief(_BrokenRepr())
+
+
+def test_the_bounds_on_a_runs_size_are_kept_in_one_place() -> None:
+    """The command line and the fuzz API both check through these, so one bound, one
+    message."""
+    from kvoffload.model.limits import (
+        MAX_SECONDS,
+        MAX_SEED,
+        cores,
+        require_processes,
+        require_seconds,
+        require_seed,
+    )
+
+    assert require_seconds(1) == 1.0 and require_seconds(MAX_SECONDS) == MAX_SECONDS
+    assert require_processes(cores()) == cores() and require_seed(MAX_SEED) == MAX_SEED
+    refused: list[tuple[Callable[[object], object], object]] = [
+        (require_seconds, v)
+        for v in (0, -1.0, float("nan"), float("inf"), MAX_SECONDS * 2, True, "1")
+    ]
+    refused += [(require_processes, v) for v in (0, cores() + 1, True, 1.0, None)]
+    refused += [(require_seed, v) for v in (-1, MAX_SEED + 1, False, 1.5)]
+    for bound, value in refused:
+        with pytest.raises(ConfigError, match=", got "):
+            bound(value)

@@ -158,3 +158,31 @@ def test_a_broken_plugin_is_an_error_naming_it(
     plugins.append(_EntryPoint("broken", value))
     with pytest.raises(ConfigError, match=f"the target plugin 'broken' .*{problem}"):
         spec("not-built-in")
+
+
+def test_a_plugin_under_a_name_already_taken_is_an_error_naming_both(
+    plugins: list[_EntryPoint],
+) -> None:
+    plugins.append(_EntryPoint("first", TargetSpec("first", _mine, "a plugin's target")))
+    plugins.append(_EntryPoint("clash", TargetSpec("impl", _mine, "not the implementation")))
+    for _ in range(2):  # said again on the next lookup, and nothing was added
+        with pytest.raises(ConfigError, match=r"'clash' .* the target 'impl', which kvoffload"):
+            spec("not-built-in")
+        assert "first" not in targets._registered
+    plugins.append(_EntryPoint("again", TargetSpec("twice", _mine, "one")))
+    plugins.append(_EntryPoint("again2", TargetSpec("twice", _mine, "two")))
+    plugins.remove(plugins[1])
+    with pytest.raises(ConfigError, match=r"'again2' .* the target 'twice', which another"):
+        spec("not-built-in")
+
+
+def test_a_plugin_that_registered_its_row_on_import_is_taken_once(
+    plugins: list[_EntryPoint],
+) -> None:
+    row = TargetSpec("self-registered", _mine, "registered on import")
+    targets.register(row)
+    plugins.append(_EntryPoint("self-registered", row))
+    try:
+        assert spec("self-registered") is row and targets.names().count("self-registered") == 1
+    finally:
+        targets.unregister("self-registered")
