@@ -186,7 +186,7 @@ def regrouped(
 
 def _call_index(found: str) -> int | None:
     """The index of the call a difference names (``call N (...)``), if it names one."""
-    match = re.match(r"(?:the model broke \S+ at )?call (\d+) ", found)
+    match = re.match(r"(?:the (?:model broke|target breaks) \S+ at )?call (\d+) ", found)
     return int(match.group(1)) if match else None
 
 
@@ -335,6 +335,8 @@ def report(
         else "disagrees"
         if result.broken_invariant is None
         else f"the model broke {result.broken_invariant}",
+        # issue 34: a bug (the target's own state breaks an invariant) or a change to review
+        "class": result.verdict_class,
         "exit_status": status,
         "seconds": round(result.seconds, 3),
         "seed": result.seed,
@@ -357,6 +359,7 @@ def matrix_report(matrix: list[CampaignResult]) -> list[dict[str, Any]]:
         {
             "fault": r.adapter.removeprefix("fault:"),
             "found": not r.conforms,
+            "class": r.verdict_class,
             "seconds_to_first_failure": r.first_failure,
             "first_failing_program": r.recorder.first_failing_program,
             "shrunk_rules": r.shrunk_steps,
@@ -376,8 +379,17 @@ def print_result(result: CampaignResult, label: str = "", where: str = "") -> No
             f"the model broke {result.broken_invariant}: a bug of the specification, not a "
             "verdict on the target (exit status 3)"
         )
+    elif result.conforms:
+        verdict = "conforms"
+    elif result.verdict_class == "differs":
+        verdict = (
+            "DISAGREES: differs from the model, every invariant holding on the target's own "
+            "state (a change of behaviour to review, or a bug no invariant states)"
+        )
     else:
-        verdict = "conforms" if result.conforms else "DISAGREES"
+        verdict = (
+            f"DISAGREES: {result.verdict_class} (a bug: the target's own state violates the spec)"
+        )
     print(label + verdict)
     print(coverage(result.recorder))
     print(seed_line(result))

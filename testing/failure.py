@@ -47,11 +47,16 @@ from kvoffload.testing.targets import UnknownTargetError, spec, with_scheduler
 
 FORMAT = 2
 FORMATS = (1, 2)  # read: 1 has no "machine" (the offload machine's)
-# What a failure shows: the target differs from the model, or the model itself broke one of
-# its invariants on the program (a bug of the specification: exit status 3).
-DIFFERS, MODEL_BROKE = "differs", "model-broke-invariant"
+# What a failure shows: the target differs from the model with every invariant holding on
+# its own state (a change to review), the target's own state breaks an invariant of the spec
+# (a bug, issue 34), or the model itself broke one of its invariants on the program (a bug
+# of the specification: exit status 3).
+DIFFERS, BREAKS, MODEL_BROKE = "differs", "breaks-invariant", "model-broke-invariant"
+VERDICTS = (DIFFERS, BREAKS, MODEL_BROKE)
 # How a difference names a broken invariant of the model (kvoffload.testing.lockstep).
 MODEL_BROKE_WORDS = "the model broke "
+# How a difference names an invariant the target's own state breaks.
+TARGET_BROKE_WORDS = "the target breaks "
 
 # Driver calls (``kvoffload.testing.lockstep``) and the types of their arguments: "int",
 # "str", "ints" (a list of ints), or "flag" (a bool, or an int: what a misuse sends in its
@@ -116,14 +121,31 @@ _MAX_PATH = 4096
 _INVARIANT = re.compile(r"[A-Z][A-Z0-9+-]{0,39}")
 
 
+def _named(found: str, words: str) -> str | None:
+    if not found.startswith(words):
+        return None
+    name = found.removeprefix(words).split(" ", 1)[0]
+    return name if _INVARIANT.fullmatch(name) else None
+
+
 def model_broke(found: str) -> str | None:
     """The invariant a difference says the model broke (``the model broke NAME at call N
     ...``: at the start, where no call's arguments can put it), or None for a difference
     between the model and the target (``call N ...``)."""
-    if not found.startswith(MODEL_BROKE_WORDS):
-        return None
-    name = found.removeprefix(MODEL_BROKE_WORDS).split(" ", 1)[0]
-    return name if _INVARIANT.fullmatch(name) else None
+    return _named(found, MODEL_BROKE_WORDS)
+
+
+def target_broke(found: str) -> str | None:
+    """The invariant a difference says the target's own state breaks (``the target breaks
+    NAME at call N ...``), or None."""
+    return _named(found, TARGET_BROKE_WORDS)
+
+
+def verdict_of(found: str) -> str:
+    """The class of a difference: :data:`MODEL_BROKE`, :data:`BREAKS` or :data:`DIFFERS`."""
+    if model_broke(found) is not None:
+        return MODEL_BROKE
+    return BREAKS if target_broke(found) is not None else DIFFERS
 
 
 class FailureFileError(KVOffloadError, ValueError):
@@ -155,8 +177,9 @@ class Failure:
 
     @property
     def verdict(self) -> str:
-        """:data:`DIFFERS`, or :data:`MODEL_BROKE` when the model broke an invariant."""
-        return DIFFERS if self.broken_invariant is None else MODEL_BROKE
+        """The class of the failure (:data:`VERDICTS`): the target differs with every
+        invariant holding, the target breaks one, or the model broke one."""
+        return verdict_of(self.disagreement)
 
     @property
     def target_identity(self) -> dict[str, str] | None:

@@ -19,6 +19,8 @@ from typing import Any
 
 from kvoffload.impl import OffloadImpl
 from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
+from kvoffload.model.invariants import REGISTRY
+from kvoffload.model.observed import Observation, judge
 from kvoffload.model.snapshot import PoolView, Snapshot
 from kvoffload.model.types import STORED, KVEvent
 from kvoffload.model.variants import keeps_invariants
@@ -27,7 +29,7 @@ from kvoffload.testing.adapters import (
     Injectable,
     Target,
 )
-from kvoffload.testing.failure import MODEL_BROKE_WORDS
+from kvoffload.testing.failure import MODEL_BROKE_WORDS, TARGET_BROKE_WORDS
 from kvoffload.testing.targets import spec, variant_of
 
 Call = tuple[Any, ...]
@@ -183,6 +185,10 @@ def compare(
     snapshots are compared unless both are the very objects last found equal (the
     implementation's snapshot is the same object while nothing it shows changes); the KV
     bytes are checked unless nothing the check reads changed (``data_mismatches``)."""
+    # (the store events some worker reported failed: their copies are dropped, not
+    # registered; copied only when there are any)
+    failed = model.engine.connector.failed_store_events
+    failed_before = frozenset(failed) if failed else frozenset()
     try:
         expected = outcome(model, call)
     except InvariantViolation as broken:
@@ -191,13 +197,56 @@ def compare(
         # asked, since there is nothing right to compare it with.
         return model_broke_at(broken, call, n)
     actual = target_outcome(impl, call)
+    agreed = _agreed(model, impl) if incremental else None
+    found, theirs = _difference(model, impl, call, n, incremental, expected, actual, agreed)
+    if found is None or theirs is None:
+        return found
+    if call[0] == "fail_store":
+        failed_before |= {call[1]}
+    before = agreed.target_snapshot if agreed is not None else None
+    breaks = judge(Observation(model.config, theirs, before, call, failed_before, actual))
+    if breaks and not keeps_invariants(model.variant):
+        # A variant that models other bugs breaks invariants of its own: an invariant it
+        # breaks on this call too is that modelled bug's, not this difference's (the
+        # history's isolations).
+        mine = model.snapshot()
+        modelled = {
+            v.invariant
+            for v in judge(Observation(model.config, mine, before, call, failed_before, expected))
+        }
+        breaks = [v for v in breaks if v.invariant not in modelled]
+    return found if not breaks else target_broke_at(breaks[0], call, n, found)
+
+
+def target_broke_at(broken: InvariantViolation, call: Call, n: int, found: str) -> str:
+    """A difference where the target's own state breaks an invariant of the spec (a bug):
+    the invariant, its statement, what breaks it, then how the target differs from the
+    model (:data:`~kvoffload.testing.failure.TARGET_BROKE_WORDS`: a verdict of its own)."""
+    statement = REGISTRY[broken.invariant].statement
+    return (
+        f"{TARGET_BROKE_WORDS}{broken.invariant} at call {n} {call}: {broken.detail} "
+        f"({broken.invariant}: {statement}). It differs from the model: {found}"
+    )
+
+
+def _difference(
+    model: OffloadModel,
+    impl: Target,
+    call: Call,
+    n: int,
+    incremental: bool,
+    expected: object,
+    actual: object,
+    agreed: _Agreed | None,
+) -> tuple[str | None, Snapshot | None]:
+    """How the target differs from the model after ``call``, or None; with the target's
+    snapshot, when it gave one."""
     results = None
     if expected != actual:
         results = f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
     events = compare_events(model, impl)
     if events is not None:
         results = f"{results or f'call {n} {call}'}; {events}"
-    agreed = _agreed(model, impl) if incremental else None
     reuse = agreed is not None and changes_nothing(call, expected)
     mine = agreed.model_snapshot if agreed is not None and reuse else model.snapshot()
     try:
@@ -205,7 +254,7 @@ def compare(
     except Exception as error:
         return (results or f"call {n} {call}") + (
             f": the implementation's snapshot raised {as_outcome(error)}"
-        )
+        ), None
     unchanged = (
         agreed is not None and mine is agreed.model_snapshot and theirs is agreed.target_snapshot
     )
@@ -220,9 +269,9 @@ def compare(
         # With the results, what the state says: the cause is often there (a pin missing)
         # while the result shows only its effect (a request scheduled otherwise).
         head = f"{results}; snapshots" if results else f"call {n} {call}: snapshots"
-        return f"{head} differ in {fields}: {details}"
+        return f"{head} differ in {fields}: {details}", theirs
     if results:
-        return results
+        return results, theirs
     # A target without KV bytes (vLLM's scheduler side) is compared on the above alone.
     try:
         # A block damaged on purpose holds the wrong bytes until a lookup finds it out.
@@ -231,10 +280,13 @@ def compare(
         if isinstance(impl, HoldsBytes):
             wrong = (impl.data_mismatches if incremental else impl.check_data)(exempt)
     except Exception as error:
-        return f"call {n} {call}: the implementation's data check raised {as_outcome(error)}"
+        return (
+            f"call {n} {call}: the implementation's data check raised {as_outcome(error)}",
+            theirs,
+        )
     if wrong:
-        return f"call {n} {call}: {wrong[0]}"
-    return None
+        return f"call {n} {call}: {wrong[0]}", theirs
+    return None, theirs
 
 
 def describe_difference(name: str, expected: object, actual: object, limit: int = 3) -> str:

@@ -41,7 +41,14 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from kvoffload.model import OffloadConfig
-from kvoffload.testing.failure import Failure, model_broke, save, validate
+from kvoffload.testing.failure import (
+    BREAKS,
+    Failure,
+    model_broke,
+    save,
+    target_broke,
+    validate,
+)
 from kvoffload.testing.lockstep import Call
 from kvoffload.testing.progress import Progress
 
@@ -89,6 +96,10 @@ class Recorder:
         }
 
 
+class TargetBrokeInvariant(AssertionError):
+    """A failing program on which the target's own state breaks an invariant of the spec."""
+
+
 class LockstepMachine(RuleBasedStateMachine):
     """The base of the machines: subclass with ``recorder`` and ``variant`` set, rules that
     call :meth:`run`, a setup that calls :meth:`begin`, and :meth:`check` and
@@ -131,7 +142,13 @@ class LockstepMachine(RuleBasedStateMachine):
                 rec.first_failing_program = rec.programs
             failure = self.failure(found)
             rec.failure = failure.to_dict()
-            raise AssertionError(f"{found}\n\nreproduce with:\n{failure.reproducer()}")
+            message = f"{found}\n\nreproduce with:\n{failure.reproducer()}"
+            # One exception type per verdict class, so that Hypothesis shrinks each class as
+            # a bug of its own and never trades a broken invariant for a mere difference
+            # (issue 34).
+            if failure.verdict == BREAKS:
+                raise TargetBrokeInvariant(message)
+            raise AssertionError(message)
 
     def check(self, call: Call, n: int) -> str | None:
         """Apply call ``n`` to both sides: the first difference, or None."""
@@ -217,6 +234,19 @@ class CampaignResult:
     def broken_invariant(self) -> str | None:
         """The invariant the model itself broke on the failure's program, or None."""
         return None if self.failure is None else model_broke(self.failure["disagreement"])
+
+    @property
+    def verdict_class(self) -> str:
+        """``conforms``, ``breaks ID`` (the target's own state breaks an invariant: a bug),
+        ``differs`` (every invariant holds on the target's state: a change to review), or
+        ``the model broke ID``."""
+        if self.failure is None:
+            return "conforms"
+        found = self.failure["disagreement"]
+        if model_broke(found) is not None:
+            return f"the model broke {model_broke(found)}"
+        broken = target_broke(found)
+        return "differs" if broken is None else f"breaks {broken}"
 
     @property
     def shrunk_steps(self) -> int | None:

@@ -24,7 +24,7 @@ from dataclasses import replace
 from kvoffload.model import InvariantViolation
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import ConfigError
-from kvoffload.testing.failure import Failure, model_broke
+from kvoffload.testing.failure import Failure, model_broke, target_broke, verdict_of
 from kvoffload.testing.lockstep import Call
 
 
@@ -63,6 +63,9 @@ def kind(found: str) -> str:
     invariant = model_broke(found)
     if invariant is not None:
         return f"the model broke {invariant}"
+    broken = target_broke(found)
+    if broken is not None:
+        return f"the target breaks {broken}"
     fields = _FIELDS.search(found)
     if fields:
         return "snapshot " + fields.group(1)
@@ -101,9 +104,10 @@ def reduced(failure: Failure, disagrees: Checker, regroup: Regrouper | None = No
     machine's rules where it says how; as it was if it does not replay (a flaky failure is
     reported as Hypothesis found it)."""
     config, program, found = simplest(failure.config, list(failure.program), disagrees)
-    if found is None or model_broke(found) != failure.broken_invariant:
-        # (a verdict's class is kept: a model that broke an invariant stays one, and a
-        # difference stays a difference, whatever a replay of another kind shows)
+    if found is None or verdict_of(found) != failure.verdict:
+        # (a verdict's class is kept: a model that broke an invariant stays one, a target
+        # that breaks one stays one, and a difference stays a difference, whatever a replay
+        # of another kind shows)
         return failure
     rules = len(program)  # every call its own rule at most
     if regroup is not None:

@@ -246,10 +246,14 @@ def _spec_rows() -> list[list[str]]:
 def test_the_spec_table_is_the_registry_in_its_check_order() -> None:
     rows = _spec_rows()
     assert [r[0] for r in rows] == list(REGISTRY) == list(CHECKS)
-    for (id_, kind, subject, statement, checked_by, _kept_by), inv in zip(
+    from kvoffload.model.observed import OBSERVED
+
+    for (id_, kind, subject, on_target, statement, checked_by, _kept_by), inv in zip(
         rows, REGISTRY.values(), strict=True
     ):
         assert (kind, subject) == (inv.kind, inv.subject), id_
+        form = OBSERVED.get(id_)
+        assert on_target == (f"`observed.{form.__name__}`" if form else "ghost record"), id_
         assert statement == inv.statement, id_
         assert checked_by == f"`invariants.{inv.check.__name__}`", id_
 

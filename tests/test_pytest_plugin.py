@@ -91,8 +91,14 @@ MARKER = "def test_theirs() -> None:\n    open('ran', 'w').close()\n"
         ("--kvoffload-seconds=0", "--kvoffload-seconds: seconds must be finite"),
         ("--kvoffload-seconds=1e308", "--kvoffload-seconds: seconds must be finite"),
         ("--kvoffload-seconds=soon", "--kvoffload-seconds: 'soon' is not a number of seconds"),
-        ("--kvoffload-seed=-1", "--kvoffload-seed: must be from 0 to 18446744073709551615, got -1"),
-        (f"--kvoffload-seed={2**64}", "--kvoffload-seed: must be from 0 to 18446744073709551615"),
+        (
+            "--kvoffload-seed=-1",
+            "--kvoffload-seed: the seed must be from 0 to 18446744073709551615, got '-1'",
+        ),
+        (
+            f"--kvoffload-seed={2**64}",
+            "--kvoffload-seed: the seed must be from 0 to 18446744073709551615",
+        ),
         ("--kvoffload-seed=1.5", "--kvoffload-seed: '1.5' is not a whole number"),
         (
             "--kvoffload-seed=" + "9" * 50,

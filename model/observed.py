@@ -1,0 +1,400 @@
+"""The spec's invariants judged on a target's own state (issue 34).
+
+:mod:`kvoffload.model.invariants` checks the model's internals. Each invariant whose subject
+a :class:`~kvoffload.model.snapshot.Snapshot` shows has a second form here, registered under
+the same ID by :func:`observed`, that reads nothing but what any target gives: its snapshot
+after a call, and for a transition its snapshot before the call and the call. So a target's
+state is held to the spec itself, not only compared with the model: a target that differs
+from the model *and* breaks one of these has a bug (the verdict ``breaks ID``); one that
+differs with every form holding made a change to review.
+
+Each form is sound: it holds on the model's own snapshots after every call of every program
+(tests/test_observed.py judges every call of a campaign), and a corruption of a snapshot
+makes it fail. The forms do not copy the model's algorithm: they state what must hold of
+the tier's contents whatever code computes them.
+
+The invariants without a form here need a ghost record the snapshot does not show (what a
+selection saw, a finish's dispositions, a window's positions): docs/spec.md's table says
+which. Invariants kept: every form is registered under an ID of the registry, once, in the
+registry's order.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from kvoffload.model.config import OffloadConfig
+from kvoffload.model.errors import InvariantViolation
+from kvoffload.model.invariants import REGISTRY
+from kvoffload.model.snapshot import PoolView, Snapshot, TransferView
+
+NULL = 0  # the null block's id in both pools
+
+
+@dataclass(frozen=True)
+class Observation:
+    """What a target showed of one call: its configuration, its snapshot after the call,
+    and where known its snapshot before and the call (for the transition forms)."""
+
+    config: OffloadConfig
+    after: Snapshot
+    before: Snapshot | None = None
+    call: tuple[Any, ...] | None = None
+    # store events a worker reported failed, before or in this call (their copies are
+    # dropped, not registered)
+    failed_stores: frozenset[int] = frozenset()
+    result: object = None  # what the call returned
+
+
+Form = Callable[[Observation], Iterator[str]]
+OBSERVED: dict[str, Form] = {}
+
+
+def observed(id: str) -> Callable[[Form], Form]:
+    """Register the function below as the observable form of invariant ``id``."""
+
+    def register(fn: Form) -> Form:
+        if id not in REGISTRY:
+            raise ValueError(f"{id} is no invariant of the registry")
+        if id in OBSERVED:
+            raise ValueError(f"the observable form of {id} is registered twice")
+        OBSERVED[id] = fn
+        return fn
+
+    return register
+
+
+def _pools(s: Snapshot) -> list[tuple[str, PoolView]]:
+    return [("gpu", s.gpu), ("cpu", s.cpu)]
+
+
+def _stores(s: Snapshot) -> list[TransferView]:
+    return [*s.pending_flushes, *s.store_events, *s.abandoned_store_events]
+
+
+def _load_transfers(s: Snapshot) -> list[TransferView]:
+    return [load.transfer for load in [*s.loads, *s.abandoned_loads]]
+
+
+def _mapped(pool: PoolView) -> dict[int, set[Any]]:
+    """The keys the map holds for each block."""
+    found: dict[int, set[Any]] = {}
+    for key, ids in pool.cached:
+        for block_id in ids:
+            found.setdefault(block_id, set()).add(key)
+    return found
+
+
+@observed("POOL-QUEUE")
+def pool_queue(o: Observation) -> Iterator[str]:
+    for name, pool in _pools(o.after):
+        for block_id, n in Counter(pool.free_queue).items():
+            if n > 1:
+                yield f"{name} block {block_id} is queued {n} times"
+        queued = set(pool.free_queue)
+        for b in pool.blocks:
+            if b.ref_cnt < 0:
+                yield f"{name} block {b.block_id} has ref count {b.ref_cnt}"
+            if b.block_id == NULL:
+                if NULL in queued:
+                    yield f"{name} null block is queued"
+            elif (b.block_id in queued) != (b.ref_cnt == 0):
+                state = "queued" if b.block_id in queued else "not queued"
+                yield f"{name} block {b.block_id} has ref count {b.ref_cnt} and is {state}"
+
+
+@observed("POOL-MAP")
+def pool_map(o: Observation) -> Iterator[str]:
+    for name, pool in _pools(o.after):
+        mapped = _mapped(pool)
+        for key, ids in pool.cached:
+            if not ids:
+                yield f"{name} key {key} maps to no block"
+            for block_id in ids:
+                b = pool.blocks[block_id]
+                if b.primary != key and key not in b.secondary:
+                    yield f"{name} key {key} maps to block {block_id}, which does not hold it"
+        for b in pool.blocks:
+            for key in b.secondary:
+                if key not in mapped.get(b.block_id, ()):
+                    yield f"{name} secondary {key} of block {b.block_id} is not mapped"
+                if b.primary is None:
+                    yield f"{name} block {b.block_id} has secondary {key} but no primary"
+                if key == b.primary:
+                    yield f"{name} block {b.block_id} has {key} as primary and secondary"
+
+
+@observed("POOL-PRIMARY")
+def pool_primary(o: Observation) -> Iterator[str]:
+    for name, pool in _pools(o.after):
+        mapped = _mapped(pool)
+        for b in pool.blocks:
+            free = b.primary is not None and b.ref_cnt == 0
+            if free and b.primary not in mapped.get(b.block_id, ()):
+                yield (
+                    f"{name} block {b.block_id} is free with primary {b.primary}, which does "
+                    "not map to it: the block is unreachable"
+                )
+
+
+@observed("POOL-NULL")
+def pool_null(o: Observation) -> Iterator[str]:
+    for name, pool in _pools(o.after):
+        null = pool.blocks[NULL]
+        if null.primary is not None or null.secondary or NULL in _mapped(pool):
+            yield f"{name} null block holds a key"
+
+
+@observed("POOL-FRESH")
+def pool_fresh(o: Observation) -> Iterator[str]:
+    """The CPU blocks this call took as the destinations of new stores hold no key at all
+    (no stamp before the copy completes)."""
+    if o.before is None:
+        return
+    earlier = {i for t in _stores(o.before) for i in t.cpu_block_ids}
+    mapped = _mapped(o.after.cpu)
+    for t in _stores(o.after):
+        for block_id in t.cpu_block_ids:
+            b = o.after.cpu.blocks[block_id]
+            if block_id not in earlier and (b.primary or b.secondary or mapped.get(block_id)):
+                yield (
+                    f"cpu block {block_id}, just taken for a store, already holds the key "
+                    f"{b.primary or b.secondary or sorted(mapped[block_id])}"
+                )
+
+
+def _holders(counts: Counter[int], ids: tuple[int, ...]) -> None:
+    counts.update(i for i in ids if i != NULL)
+
+
+@observed("REF-GPU")
+def ref_gpu(o: Observation) -> Iterator[str]:
+    s = o.after
+    holders: Counter[int] = Counter()
+    for request in s.requests:
+        for ids in request.block_ids:
+            _holders(holders, ids)
+    for t in [*_stores(s), *_load_transfers(s)]:
+        _holders(holders, t.gpu_block_ids)
+    for b in s.gpu.blocks[1:]:
+        if b.ref_cnt != holders[b.block_id]:
+            yield (
+                f"gpu block {b.block_id} has ref count {b.ref_cnt}, but its holders (request "
+                f"tables, stores, loads) are {holders[b.block_id]}"
+            )
+
+
+@observed("REF-CPU")
+def ref_cpu(o: Observation) -> Iterator[str]:
+    s = o.after
+    holders: Counter[int] = Counter()
+    for _, ids, _ in s.pending_hits:
+        _holders(holders, ids)
+    for t in [*_stores(s), *_load_transfers(s)]:
+        _holders(holders, t.cpu_block_ids)
+    for b in s.cpu.blocks[1:]:
+        if b.ref_cnt != holders[b.block_id]:
+            yield (
+                f"cpu block {b.block_id} has ref count {b.ref_cnt}, but its holders (hits, "
+                f"stores, loads) are {holders[b.block_id]}"
+            )
+
+
+@observed("UNREACHABLE")
+def unreachable(o: Observation) -> Iterator[str]:
+    mapped = _mapped(o.after.cpu)
+    for t in _stores(o.after):
+        for block_id in t.cpu_block_ids:
+            if mapped.get(block_id):
+                yield (
+                    f"cpu block {block_id} is mapped by {sorted(mapped[block_id])} before "
+                    "its store completed"
+                )
+
+
+@observed("REGISTERED")
+def registered(o: Observation) -> Iterator[str]:
+    """The stores this call completed: every key of each source GPU block (before the call)
+    is mapped to its CPU block, the primary with its token count, and the block is free."""
+    if o.before is None:
+        return
+    still = {t.event for t in [*o.after.store_events, *o.after.abandoned_store_events]}
+    mapped = _mapped(o.after.cpu)
+    for t in o.before.store_events:
+        if t.event in still or t.event in o.failed_stores:
+            continue
+        for gpu_id, cpu_id in zip(t.gpu_block_ids, t.cpu_block_ids, strict=True):
+            source, block = o.before.gpu.blocks[gpu_id], o.after.cpu.blocks[cpu_id]
+            keys = set(source.secondary) | ({source.primary} if source.primary else set())
+            if (block.primary, block.primary_tokens) != (source.primary, source.primary_tokens):
+                yield (
+                    f"store {t.event} completed, but cpu block {cpu_id} holds primary "
+                    f"{block.primary} ({block.primary_tokens} tokens), not gpu block "
+                    f"{gpu_id}'s {source.primary} ({source.primary_tokens} tokens)"
+                )
+            missing = keys - set(block.secondary) - {block.primary}
+            unmapped = keys - mapped.get(cpu_id, set())
+            if missing or unmapped:
+                yield (
+                    f"store {t.event} completed, but cpu block {cpu_id} does not hold (or "
+                    f"the map does not map to it) gpu block {gpu_id}'s keys "
+                    f"{sorted(missing | unmapped)}"
+                )
+            if block.ref_cnt != 0:
+                yield f"store {t.event} completed, but cpu block {cpu_id} is still in use"
+
+
+@observed("PENDING")
+def pending(o: Observation) -> Iterator[str]:
+    s = o.after
+    expected = bool(_stores(s))
+    if s.has_pending_stores != expected:
+        yield (
+            f"has_pending_stores() is {s.has_pending_stores}, but "
+            f"{'stores are' if expected else 'no store is'} queued, in flight or abandoned"
+        )
+
+
+@observed("IN-FLIGHT")
+def in_flight(o: Observation) -> Iterator[str]:
+    s = o.after
+    expected = set()
+    if not o.config.lazy:
+        expected = {i for t in [*s.pending_flushes, *s.store_events] for i in t.gpu_block_ids}
+    if set(s.in_flight_gpu_blocks) != expected:
+        yield (
+            f"in-flight set {sorted(s.in_flight_gpu_blocks)}, queued and in-flight stores hold "
+            f"{sorted(expected)}"
+        )
+
+
+@observed("RESET")
+def reset(o: Observation) -> Iterator[str]:
+    """A reset that answered True leaves what it promises: ``reset()`` no key in the CPU
+    pool, ``reset_prefix_cache`` no key in either map; after ``reset()`` no flush is
+    queued, whatever it answered."""
+    name = o.call[0] if o.call else None
+    s = o.after
+    if name == "reset":
+        if s.pending_flushes:
+            yield "a final flush is still queued after reset()"
+        if o.result is True and (s.cpu.cached or any(b.primary for b in s.cpu.blocks)):
+            yield "reset() returned True but the CPU pool still holds keys"
+    if name == "reset_prefix_cache" and o.result is True and (s.gpu.cached or s.cpu.cached):
+        tier = "GPU" if s.gpu.cached else "CPU"
+        yield f"reset_prefix_cache() returned True but the {tier} map still holds keys"
+
+
+@observed("EVENTS")
+def events(o: Observation) -> Iterator[str]:
+    s = o.after
+    stores = [t.event for t in [*s.store_events, *s.abandoned_store_events]]
+    stores += [e for e, _ in s.store_event_pending_counts]
+    stores += [e for e, _ in s.store_event_requests]
+    for e in stores:
+        if e is None or not 0 <= e < s.store_event_counter:
+            yield f"store event {e} was never issued (counter {s.store_event_counter})"
+    loads = [e for e, _ in s.load_event_to_reqs]
+    loads += [t.event for t in _load_transfers(s) if t.event is not None]
+    for e in loads:
+        if not 0 <= e < s.load_event_counter:
+            yield f"load event {e} was never issued (counter {s.load_event_counter})"
+    for e, n in s.store_event_pending_counts:
+        if not 0 < n < o.config.world_size:
+            yield f"store event {e} has partial count {n} of {o.config.world_size}"
+    if o.before is not None:
+        for name, was, now in [
+            ("store", o.before.store_event_counter, s.store_event_counter),
+            ("load", o.before.load_event_counter, s.load_event_counter),
+        ]:
+            if now < was:
+                yield f"the {name} event counter went back from {was} to {now}"
+
+
+@observed("FLUSH-COMPLETE")
+def flush_complete(o: Observation) -> Iterator[str]:
+    """The requests a ``finish`` or a ``step`` (one that preempted nobody) finished left no
+    full block, keyed for all its tokens, without a copy on the CPU (its key mapped there
+    before or after the call, or its store queued or in flight) while CPU blocks free before
+    the call are still free (what the final flush would have taken; a flush that runs out
+    drops the rest for capacity). Their blocks are those their tables held before the call
+    past their scans' cursors, and those the call keyed and freed again (computed and
+    finished in one step).
+    Judged where a block is what the flush counts its room in: one full-attention group, in
+    eager mode, no DCP (with several groups a position takes a block of each, and a flush
+    may leave a block free that no whole position fits in)."""
+    c, name = o.config, o.call[0] if o.call else None
+    if o.before is None or c.lazy or c.dcp_world_size > 1 or c.num_groups != 1:
+        return
+    if (
+        not c.full_attention(0)
+        or name not in ("finish", "step")
+        or getattr(o.result, "preempted", None)
+    ):
+        return
+    left_free = set(o.before.cpu.free_queue) & set(o.after.cpu.free_queue)
+    if not left_free:
+        return
+    was = {r.request_id: r for r in o.before.requests if r.status != "finished"}
+    cursors = {t.request_id: t.num_stored_blocks for t in o.before.tracked}
+    finished = [r for r in o.after.requests if r.status == "finished" and r.request_id in was]
+    # A request live across a reset() is tracked no more (vLLM forgets it): only those
+    # tracked before the call, or first given blocks in it, owe a flush.
+    owing = [r for r in finished if r.request_id in cursors or not any(was[r.request_id].block_ids)]
+    if not owing or (len(owing) < len(finished) and name == "step"):
+        return
+    owed: dict[int, str] = {}  # block -> whose
+    for done in owing:
+        cursor = cursors.get(done.request_id, ())
+        for g, ids in enumerate(was[done.request_id].block_ids):
+            full = min(done.num_computed_tokens // c.group_block_sizes[g], len(ids))
+            if c.full_attention(g):
+                owed.update((i, done.request_id) for i in ids[cursor[g] if cursor else 0 : full])
+    if name == "step":
+        whose = ", ".join(r.request_id for r in owing)
+        for now, then in zip(o.after.gpu.blocks[1:], o.before.gpu.blocks[1:], strict=True):
+            key = now.primary
+            fresh = key is not None and key != then.primary and now.ref_cnt == 0
+            whole = key is not None and key.num_tokens % c.group_block_sizes[key.group] == 0
+            if fresh and whole and key is not None and c.full_attention(key.group):
+                owed.setdefault(now.block_id, whose)
+    copying = {i for t in _stores(o.after) for i in t.gpu_block_ids}
+    # (present before the call counts: the flush's own allocations may evict it)
+    held = {key for key, _ in [*o.before.cpu.cached, *o.after.cpu.cached]}
+    for block_id, request_id in sorted(owed.items()):
+        key = o.after.gpu.blocks[block_id].primary
+        if block_id == NULL or key is None or key in held or block_id in copying:
+            continue
+        yield (
+            f"{request_id} finished with gpu block {block_id} ({key}) neither stored nor "
+            f"queued, while cpu blocks {sorted(left_free)} stayed free"
+        )
+
+
+@observed("LOAD-PINNED")
+def load_pinned(o: Observation) -> Iterator[str]:
+    s = o.after
+    pinned = [i for _, ids, _ in s.pending_hits for i in ids]
+    pinned += [i for t in _load_transfers(s) for i in t.cpu_block_ids]
+    mapped = _mapped(s.cpu)
+    for block_id in pinned:
+        if block_id == NULL:
+            continue
+        b = s.cpu.blocks[block_id]
+        if b.ref_cnt < 1:
+            yield f"cpu block {block_id} is pinned for a load but has ref count {b.ref_cnt}"
+        if b.primary is None or b.primary not in mapped.get(block_id, ()):
+            yield f"cpu block {block_id} is pinned for a load but not mapped by its primary"
+
+
+def judge(observation: Observation) -> list[InvariantViolation]:
+    """Every violation of an observable form, in the registry's order."""
+    return [
+        InvariantViolation(id, detail)
+        for id in REGISTRY
+        if id in OBSERVED
+        for detail in OBSERVED[id](observation)
+    ]
