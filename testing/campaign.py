@@ -81,6 +81,7 @@ def check_record(result: CampaignResult, variant: str, machine: str = OFFLOAD) -
         "variant": variant,
         "machine": machine,
         "conforms": result.conforms,
+        "class": result.verdict_class,
         "seconds": round(result.seconds, 1),
         "seed": result.seed,
         "programs": rec.programs,

@@ -197,7 +197,9 @@ def compare(
         # asked, since there is nothing right to compare it with.
         return model_broke_at(broken, call, n)
     actual = target_outcome(impl, call)
-    agreed = _agreed(model, impl) if incremental else None
+    # (the snapshots after the previous call, where they agreed: also the state before this
+    # call, for the verdict's transition forms; reused for speed only when incremental)
+    agreed = _agreed(model, impl)
     found, theirs = _difference(model, impl, call, n, incremental, expected, actual, agreed)
     if found is None or theirs is None:
         return found
@@ -247,7 +249,7 @@ def _difference(
     events = compare_events(model, impl)
     if events is not None:
         results = f"{results or f'call {n} {call}'}; {events}"
-    reuse = agreed is not None and changes_nothing(call, expected)
+    reuse = incremental and agreed is not None and changes_nothing(call, expected)
     mine = agreed.model_snapshot if agreed is not None and reuse else model.snapshot()
     try:
         theirs = impl.snapshot()
@@ -256,9 +258,12 @@ def _difference(
             f": the implementation's snapshot raised {as_outcome(error)}"
         ), None
     unchanged = (
-        agreed is not None and mine is agreed.model_snapshot and theirs is agreed.target_snapshot
+        incremental
+        and agreed is not None
+        and mine is agreed.model_snapshot
+        and theirs is agreed.target_snapshot
     )
-    if incremental and (unchanged or mine == theirs):
+    if unchanged or mine == theirs:
         with contextlib.suppress(TypeError):  # a target that takes no weak reference
             _AGREED[impl] = _Agreed(model, mine, theirs)
     elif mine != theirs:
