@@ -22,7 +22,7 @@ registry's order.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -166,41 +166,31 @@ def pool_fresh(o: Observation) -> Iterator[str]:
                 )
 
 
-def _holders(counts: Counter[int], ids: tuple[int, ...]) -> None:
-    counts.update(i for i in ids if i != NULL)
+def _counted(name: str, pool: PoolView, held: Iterable[int], holders: str) -> Iterator[str]:
+    """Each block's ref count against the holders ``held`` names (a block once per hold)."""
+    counts = Counter(i for i in held if i != NULL)
+    for b in pool.blocks[1:]:
+        if b.ref_cnt != counts[b.block_id]:
+            yield (
+                f"{name} block {b.block_id} has ref count {b.ref_cnt}, but its holders "
+                f"({holders}) are {counts[b.block_id]}"
+            )
 
 
 @observed("REF-GPU")
 def ref_gpu(o: Observation) -> Iterator[str]:
     s = o.after
-    holders: Counter[int] = Counter()
-    for request in s.requests:
-        for ids in request.block_ids:
-            _holders(holders, ids)
-    for t in [*_stores(s), *_load_transfers(s)]:
-        _holders(holders, t.gpu_block_ids)
-    for b in s.gpu.blocks[1:]:
-        if b.ref_cnt != holders[b.block_id]:
-            yield (
-                f"gpu block {b.block_id} has ref count {b.ref_cnt}, but its holders (request "
-                f"tables, stores, loads) are {holders[b.block_id]}"
-            )
+    tables = [i for r in s.requests for ids in r.block_ids for i in ids]
+    copies = [i for t in [*_stores(s), *_load_transfers(s)] for i in t.gpu_block_ids]
+    yield from _counted("gpu", s.gpu, tables + copies, "request tables, stores, loads")
 
 
 @observed("REF-CPU")
 def ref_cpu(o: Observation) -> Iterator[str]:
     s = o.after
-    holders: Counter[int] = Counter()
-    for _, ids, _ in s.pending_hits:
-        _holders(holders, ids)
-    for t in [*_stores(s), *_load_transfers(s)]:
-        _holders(holders, t.cpu_block_ids)
-    for b in s.cpu.blocks[1:]:
-        if b.ref_cnt != holders[b.block_id]:
-            yield (
-                f"cpu block {b.block_id} has ref count {b.ref_cnt}, but its holders (hits, "
-                f"stores, loads) are {holders[b.block_id]}"
-            )
+    hits = [i for _, ids, _ in s.pending_hits for i in ids]
+    copies = [i for t in [*_stores(s), *_load_transfers(s)] for i in t.cpu_block_ids]
+    yield from _counted("cpu", s.cpu, hits + copies, "hits, stores, loads")
 
 
 @observed("UNREACHABLE")

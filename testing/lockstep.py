@@ -184,7 +184,13 @@ def compare(
     taken again unless :func:`changes_nothing` says the call left it as it was; the two
     snapshots are compared unless both are the very objects last found equal (the
     implementation's snapshot is the same object while nothing it shows changes); the KV
-    bytes are checked unless nothing the check reads changed (``data_mismatches``)."""
+    bytes are checked unless nothing the check reads changed (``data_mismatches``).
+
+    A difference found is given its class (issue 34): where the target's own snapshot breaks
+    an observable form of an invariant (:mod:`kvoffload.model.observed`), the difference is
+    reported as ``the target breaks ID`` (:func:`target_broke_at`), a bug; otherwise as it is,
+    a change with every invariant holding. Only a difference is judged, so a conforming run
+    pays nothing for it."""
     # (the store events some worker reported failed: their copies are dropped, not
     # registered; copied only when there are any)
     failed = model.engine.connector.failed_store_events

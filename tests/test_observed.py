@@ -12,6 +12,7 @@ import pytest
 from hypothesis import settings
 from hypothesis.stateful import run_state_machine_as_test
 from test_invariants import busy
+from test_upstream_history import COUNTEREXAMPLES
 
 from kvoffload.model import OffloadConfig, OffloadModel
 from kvoffload.model.invariants import REGISTRY
@@ -231,15 +232,8 @@ def test_a_change_vllm_meant_is_a_difference_with_every_invariant_holding() -> N
     behaviour: they differ, and nothing in the implementation's state breaks the spec."""
     # S25's counterexample: a GPU hit on a prefix the CPU holds too refreshes its CPU copy in
     # the CPU's LRU under 0.34.0's inclusive eager mode, and does not in the fixed model
-    config = OffloadConfig(4, 12, (4,), 4, 1)
-    program: list[Call] = [
-        ("add", "r0", [0, 1, 2, 3, 4, 5, 6, 0], 2),
-        ("add", "r1", [0, 1, 2, 3, 4, 5, 6, 0], 1),
-        ("step", 8),
-        ("step", 8),
-        ("drain",),
-        ("step", 8),
-    ]
+    fields, program = COUNTEREXAMPLES["S25"]
+    config = OffloadConfig(*fields)
     found = first_disagreement(config, program, variant="inclusive-cpu")
     assert found is not None and verdict_of(found) == DIFFERS, found
     assert "free queue" in found
