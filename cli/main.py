@@ -24,7 +24,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TypeVar
+from typing import NoReturn, TypeVar
 
 from kvoffload import __version__
 from kvoffload.model.errors import ConfigError, KVOffloadError, SetupError
@@ -85,15 +85,14 @@ def _whole(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{brief(text)} is not a whole number") from None
 
 
-def _within(bound: Callable[[Any], T], value: object, text: str) -> T:
+def _within(bound: Callable[..., T], value: object, text: str) -> T:
     """``value`` (read from ``text``) checked against its bound in
-    :mod:`kvoffload.model.limits`, the one place the bounds are kept: the bound's words,
-    ending in what was typed."""
+    :mod:`kvoffload.model.limits`, the one place the bounds are kept, in the bound's words
+    naming what was typed."""
     try:
-        return bound(value)
+        return bound(value, typed=text)
     except ConfigError as error:
-        said = str(error).rsplit(", got ", 1)[0]
-        raise argparse.ArgumentTypeError(f"{said}, got {brief(text)}") from None
+        raise argparse.ArgumentTypeError(str(error)) from None
 
 
 # The mutation matrix's campaigns are independent and CPU-bound: one process per core, and

@@ -67,8 +67,14 @@ def cores() -> int:
         return os.cpu_count() or 1
 
 
-def require_seconds(value: object) -> float:
-    """A run's seconds: finite, above 0, at most :data:`MAX_SECONDS`; or ConfigError."""
+def _got(value: object, typed: str | None) -> str:
+    """What an error says it got: what was typed, where the value was read from text."""
+    return brief(value if typed is None else typed)
+
+
+def require_seconds(value: object, typed: str | None = None) -> float:
+    """A run's seconds: finite, above 0, at most :data:`MAX_SECONDS`; or ConfigError
+    (naming ``typed``, the text the value was read from, if given)."""
     if (
         isinstance(value, bool)
         or not isinstance(value, (int, float))
@@ -77,24 +83,24 @@ def require_seconds(value: object) -> float:
     ):
         raise ConfigError(
             f"seconds must be finite, > 0 and at most {MAX_SECONDS:.0f} (a week), "
-            f"got {brief(value)}"
+            f"got {_got(value, typed)}"
         )
     return float(value)
 
 
-def require_processes(value: object, what: str = "processes") -> int:
+def require_processes(value: object, what: str = "processes", typed: str | None = None) -> int:
     """A number of processes to run at once: 1 to :func:`cores`; or ConfigError."""
     if not isinstance(value, int) or isinstance(value, bool) or not 1 <= value <= cores():
         raise ConfigError(
-            f"{what} must be from 1 to {cores()} (the cores here), got {brief(value)}"
+            f"{what} must be from 1 to {cores()} (the cores here), got {_got(value, typed)}"
         )
     return value
 
 
-def require_seed(value: object) -> int:
+def require_seed(value: object, typed: str | None = None) -> int:
     """A seed: a whole number from 0 to :data:`MAX_SEED`; or ConfigError."""
     if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_SEED:
-        raise ConfigError(f"the seed must be from 0 to {MAX_SEED}, got {brief(value)}")
+        raise ConfigError(f"the seed must be from 0 to {MAX_SEED}, got {_got(value, typed)}")
     return value
 
 

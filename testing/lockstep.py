@@ -206,9 +206,10 @@ def compare(
     # (the snapshots after the previous call, where they agreed: also the state before this
     # call, for the verdict's transition forms; reused for speed only when incremental)
     agreed = _agreed(model, impl)
-    found, theirs = _difference(model, impl, call, n, incremental, expected, actual, agreed)
-    if found is None or theirs is None:
+    found, snapshots = _difference(model, impl, call, n, incremental, expected, actual, agreed)
+    if found is None or snapshots is None:
         return found
+    mine, theirs = snapshots
     if call[0] == "fail_store":
         failed_before |= {call[1]}
     before = agreed.target_snapshot if agreed is not None else None
@@ -217,7 +218,6 @@ def compare(
         # A variant that models other bugs breaks invariants of its own: an invariant it
         # breaks on this call too is that modelled bug's, not this difference's (the
         # history's isolations).
-        mine = model.snapshot()
         modelled = {
             v.invariant
             for v in judge(Observation(model.config, mine, before, call, failed_before, expected))
@@ -246,9 +246,9 @@ def _difference(
     expected: object,
     actual: object,
     agreed: _Agreed | None,
-) -> tuple[str | None, Snapshot | None]:
-    """How the target differs from the model after ``call``, or None; with the target's
-    snapshot, when it gave one."""
+) -> tuple[str | None, tuple[Snapshot, Snapshot] | None]:
+    """How the target differs from the model after ``call``, or None; with the model's and
+    the target's snapshots, when the target gave one."""
     results = None
     if expected != actual:
         results = f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
@@ -280,9 +280,9 @@ def _difference(
         # With the results, what the state says: the cause is often there (a pin missing)
         # while the result shows only its effect (a request scheduled otherwise).
         head = f"{results}; snapshots" if results else f"call {n} {call}: snapshots"
-        return f"{head} differ in {fields}: {details}", theirs
+        return f"{head} differ in {fields}: {details}", (mine, theirs)
     if results:
-        return results, theirs
+        return results, (mine, theirs)
     # A target without KV bytes (vLLM's scheduler side) is compared on the above alone.
     try:
         # A block damaged on purpose holds the wrong bytes until a lookup finds it out.
@@ -293,11 +293,11 @@ def _difference(
     except Exception as error:
         return (
             f"call {n} {call}: the implementation's data check raised {as_outcome(error)}",
-            theirs,
+            (mine, theirs),
         )
     if wrong:
-        return f"call {n} {call}: {wrong[0]}", theirs
-    return None, theirs
+        return f"call {n} {call}: {wrong[0]}", (mine, theirs)
+    return None, (mine, theirs)
 
 
 def describe_difference(name: str, expected: object, actual: object, limit: int = 3) -> str:

@@ -243,8 +243,9 @@ class CampaignResult:
         if self.failure is None:
             return "conforms"
         found = self.failure["disagreement"]
-        if model_broke(found) is not None:
-            return f"the model broke {model_broke(found)}"
+        broke = model_broke(found)
+        if broke is not None:
+            return f"the model broke {broke}"
         broken = target_broke(found)
         return "differs" if broken is None else f"breaks {broken}"
 

@@ -41,6 +41,9 @@ def saved(tmp_path_factory: pytest.TempPathFactory) -> Path:
         profile = settings(profiles.get("ci"), max_examples=400)
         result = scheduler_machine.run_scheduler_check(BROKEN, profile, None, vllm=False)
     assert not result["conforms"] and result["saved"] is not None
+    # the check's record says the verdict's class, as verify --json reports it
+    assert result["class"] == f"the model broke {result['disagreement'].split()[3]}"
+    assert result["class"].startswith("the model broke ")
     return Path(result["saved"])
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvoffload.impl.faults import FAULTS
-from kvoffload.model.catalogue import BUGS, BY_HISTORY, RENAMED, Bug
+from kvoffload.model.catalogue import BUGS, RENAMED, Bug
 from kvoffload.model.variants import INTENDED, RELEASE_MODELS, VARIANTS
 from kvoffload.upstream.bugs import BUGS as HISTORY
 from kvoffload.upstream.bugs import HistoricalBug
@@ -54,7 +54,6 @@ def unnamed_forms() -> list[str]:
         *(f"variant {v}" for v in bug_variants() if v not in ids),
         *(f"fault {f}" for f in FAULTS if f not in ids),
         *(f"history row {row.bug}" for row in HISTORY if row.bug not in ids),
-        *(f"history number {n}" for n in BY_HISTORY if BY_HISTORY[n].id not in ids),
     ]
 
 
