@@ -23,7 +23,7 @@ from kvoffload.model.lazy_scan import (
 from kvoffload.model.offload_state import (
     Transfer,
 )
-from kvoffload.model.types import STORED, KVEvent
+from kvoffload.model.types import STORED, KVEvent, announced
 
 if TYPE_CHECKING:
     pass
@@ -146,6 +146,7 @@ class Completion(LazyScan):
         if events is None:
             return []
         self.cpu_pool.events = []
+        self.announced = announced(self.announced, events)
         return events
 
     def register_stored_block(self, gpu_block: Block, cpu_block: Block) -> None:

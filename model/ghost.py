@@ -175,6 +175,9 @@ class GhostRecords(ConnectorState):
         self.lazy_return_log: list[LazyReturnRecord] = []
         self.null_log: list[NullRecord] = []
         self.stored_log: list[StoredRecord] = []
+        # The keys the kv events taken so far announce the CPU holds (EVENT-STREAM): a
+        # router's view of the tier, kept across calls (never cleared with the logs).
+        self.announced: set[BlockKey] = set()
         self.boundary_log: list[BoundaryRecord] = []
         self.tail_log: list[TailRecord] = []
 

@@ -28,6 +28,7 @@ from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import InvariantViolation
 from kvoffload.model.keys import ROOT_DIGEST, block_keys, chain_digest
 from kvoffload.model.offload import Outcome, Transfer
+from kvoffload.model.types import KVEvent, announced
 
 Kind = Literal["state", "transition"]
 Check = Callable[[Engine], Iterator[str]]
@@ -726,21 +727,45 @@ def event_stored(state: Engine) -> Iterator[str]:
     """a `stored` kv-cache event names a key the CPU map holds when it is published; its tokens,
     if any, are `block_size` many and, chained from its parent in hash blocks, give the key's
     digest"""
-    hbs = state.config.hash_block_size
     for r in state.connector.stored_log:
-        event = r.event
         if not r.reachable:
-            yield f"a stored event for {event.key}, which the CPU map does not hold"
-        if not event.token_ids or event.key is None:
-            continue
-        digest = event.parent or ROOT_DIGEST
-        for j in range(0, len(event.token_ids), hbs):
-            digest = chain_digest(digest, event.token_ids[j : j + hbs])
-        if len(event.token_ids) != event.block_size or digest != event.key.digest:
-            yield (
-                f"the stored event for {event.key} carries {len(event.token_ids)} tokens "
-                f"{list(event.token_ids)} after parent {event.parent}, which are not that key's"
-            )
+            yield f"a stored event for {r.event.key}, which the CPU map does not hold"
+        yield from foreign_tokens(r.event, state.config.hash_block_size)
+
+
+def foreign_tokens(event: KVEvent, hash_block_size: int) -> Iterator[str]:
+    """What is wrong with a ``stored`` event's tokens: not ``block_size`` many, or not
+    chaining from its parent to its key's digest (nothing, for an event without tokens)."""
+    if not event.token_ids or event.key is None:
+        return
+    digest = event.parent or ROOT_DIGEST
+    for j in range(0, len(event.token_ids), hash_block_size):
+        digest = chain_digest(digest, event.token_ids[j : j + hash_block_size])
+    if len(event.token_ids) != event.block_size or digest != event.key.digest:
+        yield (
+            f"the stored event for {event.key} carries {len(event.token_ids)} tokens "
+            f"{list(event.token_ids)} after parent {event.parent}, which are not that key's"
+        )
+
+
+def _announcing(state: Engine) -> bool:
+    pool = state.connector.cpu_pool
+    return pool.events is not None and bool(pool.cached or pool.events)
+
+
+@invariant("EVENT-STREAM", "state", "kv events", present=_announcing)
+def event_stream(state: Engine) -> Iterator[str]:
+    """read in order (`stored` adds its key, `removed` takes it away, `cleared` empties the
+    tier), the kv-cache events published so far give exactly the keys the CPU map holds: a
+    router indexing the tier from them finds what it holds and nothing it dropped"""
+    pool = state.connector.cpu_pool
+    if pool.events is None:
+        return
+    said = announced(state.connector.announced, pool.events)
+    for key in sorted(said - pool.cached.keys()):
+        yield f"the kv events say the CPU holds {key}, which its map does not"
+    for key in sorted(pool.cached.keys() - said):
+        yield f"the CPU map holds {key}, which no kv event announced (or one removed)"
 
 
 @invariant("STATS", "transition", "stats", present=lambda s: bool(s.connector.stats_log))

@@ -28,8 +28,10 @@ from typing import Any
 
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import InvariantViolation
-from kvoffload.model.invariants import REGISTRY
+from kvoffload.model.invariants import REGISTRY, foreign_tokens
+from kvoffload.model.limits import MAX_BLOCKS
 from kvoffload.model.snapshot import PoolView, Snapshot, TransferView
+from kvoffload.model.types import CLEARED, REMOVED, STORED, KVEvent, announced
 
 NULL = 0  # the null block's id in both pools
 
@@ -47,6 +49,8 @@ class Observation:
     # dropped, not registered)
     failed_stores: frozenset[int] = frozenset()
     result: object = None  # what the call returned
+    # the kv-cache events the target published in the call, in order; None where not known
+    events: tuple[KVEvent, ...] | None = None
 
 
 Form = Callable[[Observation], Iterator[str]]
@@ -191,6 +195,37 @@ def ref_cpu(o: Observation) -> Iterator[str]:
     hits = [i for _, ids, _ in s.pending_hits for i in ids]
     copies = [i for t in [*_stores(s), *_load_transfers(s)] for i in t.cpu_block_ids]
     yield from _counted("cpu", s.cpu, hits + copies, "hits, stores, loads")
+
+
+@observed("SKIP")
+def skip(o: Observation) -> Iterator[str]:
+    """The stores a ``step`` sent (its new in-flight store events, less the final flushes
+    queued before it) copy only GPU blocks that are not null and keyed, were not in
+    flight, and whose key the CPU map lacked (or lost in the step)."""
+    if o.before is None:
+        return
+    # (a key the step's own allocations evicted may be stored again)
+    held = {key for key, _ in o.before.cpu.cached} & {key for key, _ in o.after.cpu.cached}
+    for t, gpu_id in _sent(o):
+        key = o.after.gpu.blocks[gpu_id].primary
+        if gpu_id == NULL or key is None:
+            yield f"store {t.event} copies gpu block {gpu_id}, which is null or unkeyed"
+        elif gpu_id in o.before.in_flight_gpu_blocks:
+            yield f"store {t.event} copies gpu block {gpu_id}, already in flight"
+        elif key in held:
+            yield f"store {t.event} copies gpu block {gpu_id}, whose {key} the CPU holds"
+
+
+def _sent(o: Observation) -> Iterator[tuple[TransferView, int]]:
+    """The GPU blocks of the store events a ``step`` sent, less the final flushes queued
+    before it, each with its event."""
+    if o.before is None or not o.call or o.call[0] != "step":
+        return
+    sent = {t.event for t in o.before.store_events}
+    flushed = {i for t in o.before.pending_flushes for i in t.gpu_block_ids}
+    for t in o.after.store_events:
+        if t.event not in sent:
+            yield from ((t, i) for i in t.gpu_block_ids if i not in flushed)
 
 
 @observed("UNREACHABLE")
@@ -378,6 +413,74 @@ def load_pinned(o: Observation) -> Iterator[str]:
             yield f"cpu block {block_id} is pinned for a load but has ref count {b.ref_cnt}"
         if b.primary is None or b.primary not in mapped.get(block_id, ()):
             yield f"cpu block {block_id} is pinned for a load but not mapped by its primary"
+
+
+@observed("POSITION")
+def position(o: Observation) -> Iterator[str]:
+    """Each block the eager scan of a ``step`` sent holds the key of a position that scan
+    reached: in its key's group, the table position the key's tokens end on lies between
+    some tracked request's cursor before the step and after it (where the scan passed).
+    A key that ends inside a block is no position's (the prompt tails are the final
+    flush's). Judged in eager mode, without Mamba groups or DCP (whose hand-offs and
+    per-rank blocks are not table positions)."""
+    c = o.config
+    if o.before is None or c.lazy or c.dcp_world_size > 1 or any(c.mamba):
+        return
+    was = {t.request_id: t.num_stored_blocks for t in o.before.tracked}
+    now = {t.request_id: t.num_stored_blocks for t in o.after.tracked}
+    reached: list[tuple[int, int, int]] = []  # (group, first index, end index)
+    for req_id in was.keys() | now.keys():
+        start = was.get(req_id, (0,) * c.num_groups)
+        # (a request preempted in the step starts over; one gone from the tracked states
+        # may have been scanned to its table's end)
+        end = now.get(req_id, (MAX_BLOCKS,) * c.num_groups)
+        reached += [(g, start[g] if end[g] >= start[g] else 0, end[g]) for g in range(c.num_groups)]
+    for t, gpu_id in _sent(o):
+        key = o.after.gpu.blocks[gpu_id].primary
+        if key is None:
+            continue  # (SKIP's)
+        size = c.group_block_sizes[key.group]
+        index, rest = divmod(key.num_tokens, size)
+        if rest != 0:
+            yield (
+                f"store {t.event} copies gpu block {gpu_id} ({key}), a key that ends inside "
+                f"a block of group {key.group}: on no table position a scan reaches"
+            )
+        elif not any(g == key.group and a < index <= b for g, a, b in reached):
+            yield (
+                f"store {t.event} copies gpu block {gpu_id} ({key}), but no scan of the step "
+                f"reached position {index - 1} of group {key.group}, the one its key ends"
+            )
+
+
+@observed("EVENT-STORED")
+def event_stored(o: Observation) -> Iterator[str]:
+    """Each ``stored`` event of the call names a key the CPU map holds after it (unless a
+    later event of the call removes it again), with tokens that are that key's."""
+    events = o.events or ()
+    held = {key for key, _ in o.after.cpu.cached}
+    for i, event in enumerate(events):
+        if event.kind != STORED:
+            continue
+        later = events[i + 1 :]
+        gone = any(e.kind == CLEARED or (e.kind == REMOVED and e.key == event.key) for e in later)
+        if event.key not in held and not gone:
+            yield f"a stored event for {event.key}, which the CPU map does not hold"
+        yield from foreign_tokens(event, o.config.hash_block_size)
+
+
+@observed("EVENT-STREAM")
+def event_stream(o: Observation) -> Iterator[str]:
+    """The call's events, read from the keys the CPU map held before it, give the keys it
+    holds after."""
+    if o.before is None or o.events is None or not o.config.kv_events:
+        return
+    said = announced((key for key, _ in o.before.cpu.cached), o.events)
+    held = {key for key, _ in o.after.cpu.cached}
+    for key in sorted(said - held):
+        yield f"the call's kv events say the CPU holds {key}, which its map does not"
+    for key in sorted(held - said):
+        yield f"the CPU map holds {key}, which the call's kv events do not announce (or remove)"
 
 
 def judge(observation: Observation) -> list[InvariantViolation]:

@@ -6,6 +6,7 @@ values, so that two implementations can be compared with ``==``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvoffload.model.keys import BlockKey
@@ -94,6 +95,22 @@ class KVEvent:
             self.block_size,
             self.medium,
         )
+
+
+def announced(keys: Iterable[BlockKey], events: Iterable[KVEvent]) -> set[BlockKey]:
+    """The keys an event stream says the CPU tier holds, read in order from ``keys`` (what
+    it said before): ``stored`` adds its key, ``removed`` takes it away, ``cleared``
+    empties the tier. What a router indexing the tier from the events believes it holds
+    (EVENT-STREAM)."""
+    held = set(keys)
+    for event in events:
+        if event.kind == CLEARED:
+            held.clear()
+        elif event.kind == STORED and event.key is not None:
+            held.add(event.key)
+        elif event.key is not None:
+            held.discard(event.key)
+    return held
 
 
 @dataclass(frozen=True)

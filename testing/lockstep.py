@@ -144,23 +144,27 @@ def _agreed(model: OffloadModel, impl: Target) -> _Agreed | None:
     return found if found is not None and found.model is model else None
 
 
-def compare_events(model: OffloadModel, impl: Target) -> str | None:
+def compare_events(
+    model: OffloadModel, impl: Target
+) -> tuple[str | None, tuple[KVEvent, ...] | None]:
     """Drain the kv-cache events of both sides since the last call and describe how they
-    differ, or None. One call's events are compared as a multiset: vLLM publishes a block's
+    differ, or None; with the target's events in the order it published them (None if it
+    gave none). One call's events are compared as a multiset: vLLM publishes a block's
     secondary keys in the order of a set."""
-    try:
-        theirs = sorted(impl.take_events(), key=KVEvent.sort_key)
-    except Exception as error:
-        return f"the implementation's take_events() raised {as_outcome(error)}"
     mine = sorted(model.take_events(), key=KVEvent.sort_key)
+    try:
+        published = tuple(impl.take_events())
+    except Exception as error:
+        return f"the implementation's take_events() raised {as_outcome(error)}", None
+    theirs = sorted(published, key=KVEvent.sort_key)
     if mine == theirs:
-        return None
+        return None, published
     only_mine = [e for e in mine if e not in theirs]
     only_theirs = [e for e in theirs if e not in mine]
     return (
         f"kv events differ: only the model published {_events(only_mine)}, only the "
         f"implementation {_events(only_theirs)}"
-    )
+    ), published
 
 
 def _events(events: list[KVEvent], limit: int = 4) -> str:
@@ -206,14 +210,19 @@ def compare(
     # (the snapshots after the previous call, where they agreed: also the state before this
     # call, for the verdict's transition forms; reused for speed only when incremental)
     agreed = _agreed(model, impl)
-    found, snapshots = _difference(model, impl, call, n, incremental, expected, actual, agreed)
+    events, published = compare_events(model, impl)
+    found, snapshots = _difference(
+        model, impl, call, n, incremental, expected, actual, events, agreed
+    )
     if found is None or snapshots is None:
         return found
     mine, theirs = snapshots
     if call[0] == "fail_store":
         failed_before |= {call[1]}
     before = agreed.target_snapshot if agreed is not None else None
-    breaks = judge(Observation(model.config, theirs, before, call, failed_before, actual))
+    breaks = judge(
+        Observation(model.config, theirs, before, call, failed_before, actual, published)
+    )
     if breaks and not keeps_invariants(model.variant):
         # A variant that models other bugs breaks invariants of its own: an invariant it
         # breaks on this call too is that modelled bug's, not this difference's (the
@@ -245,14 +254,15 @@ def _difference(
     incremental: bool,
     expected: object,
     actual: object,
+    events: str | None,
     agreed: _Agreed | None,
 ) -> tuple[str | None, tuple[Snapshot, Snapshot] | None]:
-    """How the target differs from the model after ``call``, or None; with the model's and
-    the target's snapshots, when the target gave one."""
+    """How the target differs from the model after ``call`` (``events``: how their kv
+    events of the call differ), or None; with the model's and the target's snapshots, when
+    the target gave one."""
     results = None
     if expected != actual:
         results = f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
-    events = compare_events(model, impl)
     if events is not None:
         results = f"{results or f'call {n} {call}'}; {events}"
     reuse = incremental and agreed is not None and changes_nothing(call, expected)

@@ -171,6 +171,9 @@ BREAKS: dict[str, Callable[[OffloadModel], None]] = {
     "EVENT-STORED": lambda m: m.engine.connector.stored_log.append(
         StoredRecord(KVEvent(STORED, ALIEN, None, (1, 2, 3, 4), 4), False)
     ),
+    # events published from now on, none of them for the keys the CPU map already holds
+    # (stores registered without their events)
+    "EVENT-STREAM": lambda m: setattr(m.engine.connector.cpu_pool, "events", []),
     # c's store state names one block more than its table (a preemption not forgotten)
     "TABLE": lambda m: m.engine.connector.reqs_to_store["c"].block_ids[0].append(1),
     # a drain of the stats that counts a load no completion processed

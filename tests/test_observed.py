@@ -18,6 +18,7 @@ from kvoffload.model import OffloadConfig, OffloadModel
 from kvoffload.model.invariants import REGISTRY
 from kvoffload.model.observed import OBSERVED, Observation, judge, observed
 from kvoffload.model.snapshot import Snapshot
+from kvoffload.model.types import REMOVED, STORED, KVEvent
 from kvoffload.testing import profiles
 from kvoffload.testing.campaign import report, run_campaign
 from kvoffload.testing.failure import BREAKS, DIFFERS, target_broke, verdict_of
@@ -32,6 +33,7 @@ class _Judged:
 
     broken: ClassVar[list[str]] = []
     judged: ClassVar[list[int]] = [0]
+    events: ClassVar[list[int]] = [0]
 
     model: Any
     target: Any
@@ -41,10 +43,13 @@ class _Judged:
         before = self.model.snapshot()
         failed = frozenset(self.model.engine.connector.failed_store_events)
         result = outcome(self.model, call)
+        events = tuple(self.model.take_events())
         target_outcome(self.target, call)  # (kept in step; its state is not compared here)
         if call[0] == "fail_store":
             failed |= {call[1]}
-        found = judge(Observation(self.config, self.model.snapshot(), before, call, failed, result))
+        after = self.model.snapshot()
+        found = judge(Observation(self.config, after, before, call, failed, result, events))
+        type(self).events[0] += len(events)
         type(self).judged[0] += 1
         if found:
             type(self).broken.append(f"{found[0]} after call {n} {call}")
@@ -60,9 +65,11 @@ def test_every_form_holds_on_every_snapshot_of_the_model(variant: str | None) ->
     class Judging(_Judged, machine_for("impl", variant=variant)):  # type: ignore[misc]
         broken: ClassVar[list[str]] = []
         judged: ClassVar[list[int]] = [0]
+        events: ClassVar[list[int]] = [0]
 
     run_state_machine_as_test(Judging, settings=settings(profiles.get("ci"), max_examples=400))
     assert Judging.broken == [] and Judging.judged[0] > 4000
+    assert Judging.events[0] > 200  # the event forms were judged on events
 
 
 def test_every_form_is_registered_under_an_invariant_once() -> None:
@@ -119,8 +126,18 @@ def _flush_missing(_: Snapshot) -> tuple[Snapshot, Snapshot, Call, object]:
     return before, model.snapshot(), ("step", 64), result
 
 
-# Each form's corruption: (before, after, call, result) from a busy snapshot.
-Corruption = Callable[[Snapshot], tuple[Snapshot | None, Snapshot, Call | None, object]]
+def _unsent(s: Snapshot) -> Snapshot:
+    """``s`` before the step that sent its first store event."""
+    return replace(s, store_events=s.store_events[1:])
+
+
+def _held_key(s: Snapshot) -> Any:
+    return s.cpu.cached[0][0]
+
+
+# Each form's corruption: (before, after, call, result[, the call's kv events]) from a busy
+# snapshot.
+Corruption = Callable[[Snapshot], tuple[Any, ...]]
 CORRUPT: dict[str, Corruption] = {
     "POOL-QUEUE": lambda s: (None, _pool(s, "cpu", free_queue=s.cpu.free_queue * 2), None, None),
     "POOL-MAP": lambda s: (
@@ -153,6 +170,8 @@ CORRUPT: dict[str, Corruption] = {
         None,
         None,
     ),
+    # a step that sends again a store already in flight
+    "SKIP": lambda s: (_unsent(s), s, ("step", 8), None),
     "UNREACHABLE": lambda s: (
         None,
         _pool(
@@ -172,6 +191,22 @@ CORRUPT: dict[str, Corruption] = {
     "RESET": lambda s: (None, s, ("reset_prefix_cache", True), True),
     "EVENTS": lambda s: (None, replace(s, store_event_counter=0), None, None),
     "FLUSH-COMPLETE": _flush_missing,
+    # a step that sent a store while no scan advanced (the stale window block of 0.34.0)
+    "POSITION": lambda s: (_unsent(s), s, ("step", 8), None),
+    # an event whose tokens are another position's (vLLM 0.34.0's reused window block), and
+    # one for a key the CPU does not hold
+    "EVENT-STORED": lambda s: (
+        None,
+        s,
+        None,
+        None,
+        (
+            KVEvent(STORED, _held_key(s), None, (9, 9, 9, 9), 4),
+            KVEvent(STORED, _held_key(s)._replace(num_tokens=999)),
+        ),
+    ),
+    # a key dropped from the tier's events though the map keeps it
+    "EVENT-STREAM": lambda s: (s, s, ("step", 8), None, (KVEvent(REMOVED, _held_key(s)),)),
     "LOAD-PINNED": lambda s: (
         None,
         _block(
@@ -196,9 +231,11 @@ def test_every_form_has_a_corruption() -> None:
 def test_a_corrupted_snapshot_breaks_the_form(invariant: str) -> None:
     snapshot, config = _busy()
     assert judge(Observation(config, snapshot, snapshot, ("stats",))) == []
-    before, after, call, result = CORRUPT[invariant](snapshot)
+    before, after, call, result, *events = CORRUPT[invariant](snapshot)
+    config = replace(config, kv_events=True)
     found = {
-        v.invariant for v in judge(Observation(config, after, before, call, frozenset(), result))
+        v.invariant
+        for v in judge(Observation(config, after, before, call, frozenset(), result, *events))
     }
     assert invariant in found, found
 

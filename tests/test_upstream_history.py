@@ -362,10 +362,15 @@ def _with_and_without(version: str, scenario: str, part: str) -> tuple[str | Non
 def test_the_live_window_scan_bug_shows_in_vllm_and_its_variant_conforms(version: str) -> None:
     """The counterexample of the live bug (docs/upstream.md): the release against its own row's
     model conforms; against that model without ``window-stale-ids`` it stores the reused
-    block, which the fixed scan passes over."""
+    block, which the fixed scan passes over. vLLM's own state shows the bug (issue 34): the
+    block it stores holds the prompt-tail key of the other group's table, on no position its
+    scan reached."""
     conforming, buggy = _with_and_without(version, "window-block-reused", "window-stale-ids")
     assert conforming is None, conforming
     assert buggy is not None and "store_gpu_blocks=(2,)" in buggy, buggy
+    assert buggy.startswith(
+        "the target breaks POSITION at call 5 ('step', 8): store 1 copies gpu block 2 "
+    ), buggy
 
 
 @pytest.mark.parametrize("version", ["0.30.0", "0.34.0"])
