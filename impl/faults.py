@@ -13,7 +13,7 @@ from dataclasses import dataclass, replace
 
 from kvoffload.impl.connector import Connector, Copy, Meta, Offer, Scheduled, Tracker
 from kvoffload.impl.engine import ImplRequest
-from kvoffload.impl.pool import NULL, Pool
+from kvoffload.impl.pool import NULL, Pool, block_key
 from kvoffload.impl.validation import Validation
 from kvoffload.impl.worker import Worker
 from kvoffload.model.config import OffloadConfig
@@ -55,6 +55,20 @@ class SecondaryKeysNotCopied(Connector):
             key = self.gpu.key[gpu_block]
             assert key is not None
             self.cpu.register(key, cpu_block, self.gpu.key_tokens[gpu_block])
+
+
+class SecondaryKeysUnannounced(Connector):
+    """The event side of vLLM #53498's first bug: a completed store registers every key of
+    its source, but publishes a ``stored`` event for the primary only, so a router indexing
+    the CPU tier from its events never learns of the secondary (fine-grained) keys it holds."""
+
+    def publish(self, copy: Copy) -> None:
+        events = self.cpu.events
+        start = len(events) if events is not None else 0
+        super().publish(copy)
+        if events is not None:
+            primaries = {block_key(self.gpu.key[b]) for b in copy.gpu}
+            events[start:] = [e for e in events[start:] if e.key in primaries]
 
 
 class _Flushing(Connector):
@@ -449,6 +463,7 @@ FAULTS: dict[str, Fault] = {
         Fault("phantom-primary", PhantomPrimary, "REGISTERED"),
         Fault("no-final-flush", NoFinalFlush, "FLUSH-COMPLETE"),
         Fault("secondary-keys-not-copied", SecondaryKeysNotCopied, "REGISTERED"),
+        Fault("secondary-keys-unannounced", SecondaryKeysUnannounced, "EVENT-STREAM"),
         Fault("flush-stores-present", FlushStoresPresent, "SKIP"),
         Fault("flush-ignores-capacity", FlushIgnoresCapacity, "CAPACITY"),
         Fault("pending-ignores-flush", PendingIgnoresFlush, "PENDING"),

@@ -173,6 +173,12 @@ BUGS: tuple[Bug, ...] = (
         "#53498, PR #53532",
     ),
     Bug(
+        "secondary-keys-unannounced",
+        "a completed store registers its secondary keys but publishes a stored event for the "
+        "primary only",
+        "kvoffload's event contract (the CPU tier's events, PR #54325)",
+    ),
+    Bug(
         "flush-stores-present",
         "a final flush stores blocks the CPU already holds",
         "PR #53532",

@@ -200,20 +200,24 @@ def ref_cpu(o: Observation) -> Iterator[str]:
 @observed("SKIP")
 def skip(o: Observation) -> Iterator[str]:
     """The stores a ``step`` sent (its new in-flight store events, less the final flushes
-    queued before it) copy only GPU blocks that are not null and keyed, were not in
-    flight, and whose key the CPU map lacked (or lost in the step)."""
+    queued before it) and the final flushes a call queued copy only GPU blocks that are not
+    null and keyed, were not in flight, and whose key the CPU map lacked (or lost in the
+    call)."""
     if o.before is None:
         return
-    # (a key the step's own allocations evicted may be stored again)
+    # (a key the call's own allocations evicted may be stored again)
     held = {key for key, _ in o.before.cpu.cached} & {key for key, _ in o.after.cpu.cached}
-    for t, gpu_id in _sent(o):
+    queued = [t for t in o.after.pending_flushes if t not in o.before.pending_flushes]
+    copies = [*_sent(o), *((t, i) for t in queued for i in t.gpu_block_ids)]
+    for t, gpu_id in copies:
         key = o.after.gpu.blocks[gpu_id].primary
+        what = f"store {t.event}" if t.event is not None else "a final flush"
         if gpu_id == NULL or key is None:
-            yield f"store {t.event} copies gpu block {gpu_id}, which is null or unkeyed"
+            yield f"{what} copies gpu block {gpu_id}, which is null or unkeyed"
         elif gpu_id in o.before.in_flight_gpu_blocks:
-            yield f"store {t.event} copies gpu block {gpu_id}, already in flight"
+            yield f"{what} copies gpu block {gpu_id}, already in flight"
         elif key in held:
-            yield f"store {t.event} copies gpu block {gpu_id}, whose {key} the CPU holds"
+            yield f"{what} copies gpu block {gpu_id}, whose {key} the CPU holds"
 
 
 def _sent(o: Observation) -> Iterator[tuple[TransferView, int]]:

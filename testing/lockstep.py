@@ -273,12 +273,7 @@ def _difference(
         return (results or f"call {n} {call}") + (
             f": the implementation's snapshot raised {as_outcome(error)}"
         ), None
-    unchanged = (
-        incremental
-        and agreed is not None
-        and mine is agreed.model_snapshot
-        and theirs is agreed.target_snapshot
-    )
+    unchanged = incremental and agreed is not None and unchanged_since(agreed, mine, theirs)
     if unchanged or mine == theirs:
         with contextlib.suppress(TypeError):  # a target that takes no weak reference
             _AGREED[impl] = _Agreed(model, mine, theirs)
@@ -293,13 +288,8 @@ def _difference(
         return f"{head} differ in {fields}: {details}", (mine, theirs)
     if results:
         return results, (mine, theirs)
-    # A target without KV bytes (vLLM's scheduler side) is compared on the above alone.
     try:
-        # A block damaged on purpose holds the wrong bytes until a lookup finds it out.
-        exempt = frozenset(model.engine.connector.cpu_pool.damaged)
-        wrong: list[str] = []
-        if isinstance(impl, HoldsBytes):
-            wrong = (impl.data_mismatches if incremental else impl.check_data)(exempt)
+        wrong = wrong_bytes(model, impl, incremental)
     except Exception as error:
         return (
             f"call {n} {call}: the implementation's data check raised {as_outcome(error)}",
@@ -308,6 +298,24 @@ def _difference(
     if wrong:
         return f"call {n} {call}: {wrong[0]}", (mine, theirs)
     return None, (mine, theirs)
+
+
+def unchanged_since(agreed: _Agreed, mine: Snapshot, theirs: Snapshot) -> bool:
+    """Whether both snapshots are the very objects last found equal: then they are equal
+    still, whatever the call was (the model's is reused only where the call changes
+    nothing, the target's is the same object only while nothing it shows changed)."""
+    return mine is agreed.model_snapshot and theirs is agreed.target_snapshot
+
+
+def wrong_bytes(model: OffloadModel, impl: Target, incremental: bool) -> list[str]:
+    """The blocks whose KV bytes are not the model's content for their keys (the
+    implementation's own check; incremental: only where something it reads changed). A
+    target without KV bytes (vLLM's scheduler side) is compared on its state alone."""
+    if not isinstance(impl, HoldsBytes):
+        return []
+    # A block damaged on purpose holds the wrong bytes until a lookup finds it out.
+    exempt = frozenset(model.engine.connector.cpu_pool.damaged)
+    return (impl.data_mismatches if incremental else impl.check_data)(exempt)
 
 
 def describe_difference(name: str, expected: object, actual: object, limit: int = 3) -> str:

@@ -30,6 +30,7 @@ def config(
     attention_chunks: tuple[int | None, ...] = (),
     dcp_world_size: int = 1,
     mamba: tuple[bool, ...] = (),
+    kv_events: bool = False,
 ) -> OffloadConfig:
     """A configuration; the hash block size defaults to the smallest group block size."""
     return OffloadConfig(
@@ -43,6 +44,7 @@ def config(
         attention_chunks=attention_chunks,
         dcp_world_size=dcp_world_size,
         mamba=mamba,
+        kv_events=kv_events,
     )
 
 

@@ -37,6 +37,18 @@ SCENARIOS: dict[str, tuple[OffloadConfig, list[Call]]] = {
             ("lookup", prompt(10)),
         ],
     ),
+    # The same with kv-cache events: a stored event for each key the stores register, the
+    # secondary (hash-block) keys of the decode's blocks too.
+    "secondary-keys-announced": (
+        cfg(16, 12, (4,), 2, kv_events=True),
+        [
+            ("add", "r", prompt(10), 3),
+            *[("step", 4)] * 5,
+            ("step", 0),
+            ("drain",),
+            ("lookup", prompt(10)),
+        ],
+    ),
     "load-after-gpu-eviction": (
         cfg(5),
         [*STORE_THEN_EVICT, ("lookup", P40), ("drain",), ("step", 64), ("step", 0), ("drain",)],
