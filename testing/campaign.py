@@ -88,6 +88,8 @@ def check_record(result: CampaignResult, variant: str, machine: str = OFFLOAD) -
         "rule_steps": rec.rule_steps,
         "driver_calls": rec.steps,
         "rules": dict(sorted(rec.rules.items())),
+        # issue 34: measured on the offload machine's target (vLLM's scheduler: not measured)
+        "efficiency": rec.efficiency.as_dict() if machine == OFFLOAD else None,
         "seconds_to_first_failure": result.first_failure,
         "programs_to_first_failure": rec.first_failing_program,
         "disagreement": None if failure is None else failure["disagreement"],
@@ -277,6 +279,7 @@ def coverage(rec: Recorder) -> str:
         f"{rec.programs} programs, {rec.rule_steps} steps ({rec.steps} driver calls)\n"
         f"rules: {rules}\n"
         f"invariants exercised (steps with something to check): {invariants}\n"
+        f"efficiency (measured on the target, never a verdict): {rec.efficiency.line()}\n"
         f"programs per second by layout: {speeds or '-'}"
     )
 
@@ -346,6 +349,8 @@ def report(
         "driver_calls": rec.steps,
         "rules": dict(sorted(rec.rules.items())),
         "invariants": {name: rec.invariants.get(name, 0) for name in CHECKS},
+        # issue 34: what the target's cache cost in hits and copies, beside the verdict
+        "efficiency": rec.efficiency.as_dict(),
         "seconds_to_first_failure": result.first_failure,
         "failure": None if failure is None else failure.to_dict(),
         "reproducer": None if failure is None else failure.reproducer(),

@@ -109,16 +109,18 @@ def target_outcome(target: Target, call: Call) -> object:
 
 
 @dataclass
-class _Agreed:
-    """The snapshots of a (model, target) pair after the last call where they were equal."""
+class Agreed:
+    """The snapshots of a (model, target) pair after the last call where they were equal, and
+    what the target returned for it."""
 
     model: OffloadModel
     model_snapshot: Snapshot
     target_snapshot: Snapshot
+    result: object = None
 
 
 # Keyed by the target, so that a finished program's entry goes with it.
-_AGREED: weakref.WeakKeyDictionary[object, _Agreed] = weakref.WeakKeyDictionary()
+_AGREED: weakref.WeakKeyDictionary[object, Agreed] = weakref.WeakKeyDictionary()
 
 
 def changes_nothing(call: Call, expected: object) -> bool:
@@ -136,7 +138,9 @@ def changes_nothing(call: Call, expected: object) -> bool:
     )
 
 
-def _agreed(model: OffloadModel, impl: Target) -> _Agreed | None:
+def agreement(model: OffloadModel, impl: Target) -> Agreed | None:
+    """The pair's snapshots after the last call where they agreed, or None (none yet, or a
+    target that takes no weak reference)."""
     try:
         found = _AGREED.get(impl)
     except TypeError:  # a target that takes no weak reference is compared in full
@@ -209,7 +213,7 @@ def compare(
     actual = target_outcome(impl, call)
     # (the snapshots after the previous call, where they agreed: also the state before this
     # call, for the verdict's transition forms; reused for speed only when incremental)
-    agreed = _agreed(model, impl)
+    agreed = agreement(model, impl)
     events, published = compare_events(model, impl)
     found, snapshots = _difference(
         model, impl, call, n, incremental, expected, actual, events, agreed
@@ -255,7 +259,7 @@ def _difference(
     expected: object,
     actual: object,
     events: str | None,
-    agreed: _Agreed | None,
+    agreed: Agreed | None,
 ) -> tuple[str | None, tuple[Snapshot, Snapshot] | None]:
     """How the target differs from the model after ``call`` (``events``: how their kv
     events of the call differ), or None; with the model's and the target's snapshots, when
@@ -276,7 +280,7 @@ def _difference(
     unchanged = incremental and agreed is not None and unchanged_since(agreed, mine, theirs)
     if unchanged or mine == theirs:
         with contextlib.suppress(TypeError):  # a target that takes no weak reference
-            _AGREED[impl] = _Agreed(model, mine, theirs)
+            _AGREED[impl] = Agreed(model, mine, theirs, actual)
     elif mine != theirs:
         fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
         details = "; ".join(
@@ -300,7 +304,7 @@ def _difference(
     return None, (mine, theirs)
 
 
-def unchanged_since(agreed: _Agreed, mine: Snapshot, theirs: Snapshot) -> bool:
+def unchanged_since(agreed: Agreed, mine: Snapshot, theirs: Snapshot) -> bool:
     """Whether both snapshots are the very objects last found equal: then they are equal
     still, whatever the call was (the model's is reused only where the call changes
     nothing, the target's is the same object only while nothing it shows changed)."""

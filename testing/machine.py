@@ -41,6 +41,7 @@ from hypothesis.errors import Flaky
 from hypothesis.stateful import RuleBasedStateMachine, run_state_machine_as_test
 
 from kvoffload.model import OffloadConfig
+from kvoffload.testing.efficiency import Efficiency
 from kvoffload.testing.failure import (
     BREAKS,
     Failure,
@@ -71,6 +72,8 @@ class Recorder:
     layout_programs: dict[str, int] = field(default_factory=dict)
     layout_calls: dict[str, int] = field(default_factory=dict)
     layout_seconds: dict[str, float] = field(default_factory=dict)
+    # what the target's cache cost in hits and copies (issue 34: never a verdict)
+    efficiency: Efficiency = field(default_factory=Efficiency)
     # called as each program ends (a campaign's progress), if set
     on_program: Callable[[Recorder], None] | None = None
 

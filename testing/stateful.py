@@ -26,8 +26,16 @@ from kvoffload.model.lookup import find_longest_cache_hit
 from kvoffload.model.validate import MAX_TOKEN_ID
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import Adapter, Target
+from kvoffload.testing.efficiency import ProgramEfficiency
 from kvoffload.testing.failure import Failure, validate
-from kvoffload.testing.lockstep import Call, as_outcome, compare, outcome, target_outcome
+from kvoffload.testing.lockstep import (
+    Call,
+    agreement,
+    as_outcome,
+    compare,
+    outcome,
+    target_outcome,
+)
 from kvoffload.testing.machine import LockstepMachine, Recorder
 from kvoffload.testing.profiles import without_local_constants
 from kvoffload.testing.targets import TargetSpec, spec, variant_of
@@ -157,6 +165,7 @@ class ConformanceMachine(LockstepMachine):
 
     model: OffloadModel
     target: Target
+    efficiency: ProgramEfficiency
 
     @SETUP
     def setup(
@@ -210,6 +219,7 @@ class ConformanceMachine(LockstepMachine):
                 f"{as_outcome(error)}"
             ) from error
         self.begin(config, "hybrid" if windows or chunks or mamba else "full attention", started)
+        self.efficiency = ProgramEfficiency(config)
         self.admit(first, 2, "add_request")
 
     def check(self, call: Call, n: int) -> str | None:
@@ -217,10 +227,16 @@ class ConformanceMachine(LockstepMachine):
             outcome(self.model, call)
             target_outcome(self.target, call)
             return None
+        before = agreement(self.model, self.target)
         found = compare(self.model, self.target, call, n)
         rec = type(self).recorder
         for invariant in exercised(self.model.engine):
             rec.count(rec.invariants, invariant)
+        after = agreement(self.model, self.target)
+        if found is None and after is not None:
+            # (measured on the target's own snapshots; never a verdict: issue 34)
+            previous = before.target_snapshot if before is not None else None
+            self.efficiency.observe(call, previous, after.target_snapshot, after.result)
         return found
 
     def failure(self, found: str) -> Failure:
@@ -235,6 +251,13 @@ class ConformanceMachine(LockstepMachine):
             release=row.release(),
             target=row.identity(),
         )
+
+    def teardown(self) -> None:
+        if hasattr(self, "efficiency"):
+            last = agreement(self.model, self.target)
+            counts = self.efficiency.end(last.target_snapshot if last is not None else None)
+            type(self).recorder.efficiency.add(counts)
+        super().teardown()
 
     def close_target(self) -> None:
         # A target that holds threads or devices lets them go with its program.

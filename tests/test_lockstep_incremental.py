@@ -41,12 +41,12 @@ class Twins:
             impl = OffloadImpl(model.config, faults=self.faults, device="cpu", lockstep=True)
             self.twin = (model, twin, impl)
         _, twin_model, twin_impl = self.twin
-        before = lockstep._agreed(model, target)
+        before = lockstep.agreement(model, target)
         found = compare(model, target, call, n)
         found_in_full = compare(twin_model, twin_impl, call, n, incremental=False)
         self.calls += 1
         assert found == found_in_full, f"{TWIN_MISMATCH} at call {n} {call}"
-        after = lockstep._agreed(model, target)
+        after = lockstep.agreement(model, target)
         if (
             found is None  # after a difference the pair's last agreement stays as it was
             and before is not None
