@@ -175,9 +175,10 @@ class GhostRecords(ConnectorState):
         self.lazy_return_log: list[LazyReturnRecord] = []
         self.null_log: list[NullRecord] = []
         self.stored_log: list[StoredRecord] = []
-        # The keys the kv events taken so far announce the CPU holds (EVENT-STREAM): a
-        # router's view of the tier, kept across calls (never cleared with the logs).
-        self.announced: set[BlockKey] = set()
+        # How many CPU blocks hold each key, as the kv events taken so far announce it
+        # (EVENT-STREAM): a router's view of the tier, kept across calls (never cleared with
+        # the logs).
+        self.announced: dict[BlockKey, int] = {}
         self.boundary_log: list[BoundaryRecord] = []
         self.tail_log: list[TailRecord] = []
 

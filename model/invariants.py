@@ -26,7 +26,7 @@ from typing import Literal
 from kvoffload.model.block_pool import BlockPool
 from kvoffload.model.engine import Engine, RequestStatus
 from kvoffload.model.errors import InvariantViolation
-from kvoffload.model.keys import ROOT_DIGEST, block_keys, chain_digest
+from kvoffload.model.keys import ROOT_DIGEST, BlockKey, block_keys, chain_digest
 from kvoffload.model.offload import Outcome, Transfer
 from kvoffload.model.types import KVEvent, announced
 
@@ -755,17 +755,26 @@ def _announcing(state: Engine) -> bool:
 
 @invariant("EVENT-STREAM", "state", "kv events", present=_announcing)
 def event_stream(state: Engine) -> Iterator[str]:
-    """read in order (`stored` adds its key, `removed` takes it away, `cleared` empties the
-    tier), the kv-cache events published so far give exactly the keys the CPU map holds: a
-    router indexing the tier from them finds what it holds and nothing it dropped"""
+    """read in order (`stored` adds a holder of its key, `removed` takes one away, `cleared`
+    empties the tier), the kv-cache events published so far give, for every key, the number
+    of CPU blocks the CPU map holds it in: a router indexing the tier from them finds what it
+    holds and nothing it dropped"""
     pool = state.connector.cpu_pool
     if pool.events is None:
         return
     said = announced(state.connector.announced, pool.events)
-    for key in sorted(said - pool.cached.keys()):
-        yield f"the kv events say the CPU holds {key}, which its map does not"
-    for key in sorted(pool.cached.keys() - said):
-        yield f"the CPU map holds {key}, which no kv event announced (or one removed)"
+    held = {key: len(ids) for key, ids in pool.cached.items()}
+    yield from stream_mismatches(said, held)
+
+
+def stream_mismatches(said: dict[BlockKey, int], held: dict[BlockKey, int]) -> Iterator[str]:
+    """How the holders an event stream announces differ from those a map holds."""
+    for key in sorted(said.keys() | held.keys()):
+        if said.get(key, 0) != held.get(key, 0):
+            yield (
+                f"the kv events announce {said.get(key, 0)} CPU blocks holding {key}, the CPU "
+                f"map holds it in {held.get(key, 0)}"
+            )
 
 
 @invariant("STATS", "transition", "stats", present=lambda s: bool(s.connector.stats_log))

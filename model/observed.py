@@ -28,7 +28,7 @@ from typing import Any
 
 from kvoffload.model.config import OffloadConfig
 from kvoffload.model.errors import InvariantViolation
-from kvoffload.model.invariants import REGISTRY, foreign_tokens
+from kvoffload.model.invariants import REGISTRY, foreign_tokens, stream_mismatches
 from kvoffload.model.limits import MAX_BLOCKS
 from kvoffload.model.snapshot import PoolView, Snapshot, TransferView
 from kvoffload.model.types import CLEARED, REMOVED, STORED, KVEvent, announced
@@ -475,16 +475,12 @@ def event_stored(o: Observation) -> Iterator[str]:
 
 @observed("EVENT-STREAM")
 def event_stream(o: Observation) -> Iterator[str]:
-    """The call's events, read from the keys the CPU map held before it, give the keys it
-    holds after."""
+    """The call's events, read from the blocks holding each key in the CPU map before it,
+    give those holding it after."""
     if o.before is None or o.events is None or not o.config.kv_events:
         return
-    said = announced((key for key, _ in o.before.cpu.cached), o.events)
-    held = {key for key, _ in o.after.cpu.cached}
-    for key in sorted(said - held):
-        yield f"the call's kv events say the CPU holds {key}, which its map does not"
-    for key in sorted(held - said):
-        yield f"the CPU map holds {key}, which the call's kv events do not announce (or remove)"
+    said = announced({key: len(ids) for key, ids in o.before.cpu.cached}, o.events)
+    yield from stream_mismatches(said, {key: len(ids) for key, ids in o.after.cpu.cached})
 
 
 def judge(observation: Observation) -> list[InvariantViolation]:

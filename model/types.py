@@ -6,7 +6,8 @@ values, so that two implementations can be compared with ``==``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from kvoffload.model.keys import BlockKey
@@ -97,20 +98,19 @@ class KVEvent:
         )
 
 
-def announced(keys: Iterable[BlockKey], events: Iterable[KVEvent]) -> set[BlockKey]:
-    """The keys an event stream says the CPU tier holds, read in order from ``keys`` (what
-    it said before): ``stored`` adds its key, ``removed`` takes it away, ``cleared``
-    empties the tier. What a router indexing the tier from the events believes it holds
-    (EVENT-STREAM)."""
-    held = set(keys)
+def announced(holders: Mapping[BlockKey, int], events: Iterable[KVEvent]) -> dict[BlockKey, int]:
+    """How many CPU blocks hold each key, as an event stream says, read in order from
+    ``holders`` (what it said before): ``stored`` adds a holder of its key, ``removed`` takes
+    one away, ``cleared`` empties the tier (keys with no holder left out). vLLM announces
+    each block's keys: two blocks holding one key are two ``stored`` events, and the first
+    one evicted a ``removed`` while the other still serves it (EVENT-STREAM)."""
+    counts = Counter(holders)
     for event in events:
         if event.kind == CLEARED:
-            held.clear()
-        elif event.kind == STORED and event.key is not None:
-            held.add(event.key)
+            counts.clear()
         elif event.key is not None:
-            held.discard(event.key)
-    return held
+            counts[event.key] += 1 if event.kind == STORED else -1
+    return {key: n for key, n in counts.items() if n}
 
 
 @dataclass(frozen=True)

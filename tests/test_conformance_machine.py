@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib
 import json
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from kvoffload.model import OffloadConfig
 from kvoffload.replaying import run_replay
 from kvoffload.testing import profiles
 from kvoffload.testing.campaign import run_campaign
+from kvoffload.testing.interleavings import CLASSES, Interleavings, reports_of
 from kvoffload.testing.lockstep import Call, first_disagreement
 from kvoffload.testing.stateful import machine_for
 
@@ -58,7 +60,10 @@ def test_a_snapshot_difference_names_what_differs() -> None:
     found = first_disagreement(
         OffloadConfig(6, 4, (4,), 4, 1), program, faults=["flush-stores-present"]
     )
-    assert found is not None and found.startswith("call 5 ('step', 24): snapshots differ in")
+    # (the flush of a key the CPU holds breaks SKIP on the implementation's own state: the
+    # verdict names it, then the difference)
+    assert found is not None and found.startswith("the target breaks SKIP at call 5 ")
+    assert "It differs from the model: call 5 ('step', 24): snapshots differ in" in found
     # the pools name the block and the free queues on both sides, other fields both values
     assert "gpu: block " in found and " in the model, BlockView(" in found
     assert "free queue (" in found
@@ -177,3 +182,37 @@ def test_the_machines_draws_ignore_the_constants_of_imported_modules(
     monkeypatch.syspath_prepend(str(tmp_path))
     importlib.import_module("planted_constants")
     assert len(providers._get_local_constants()) == 0
+
+
+def test_every_interleaving_of_completions_is_reached_in_one_program_in_twenty() -> None:
+    """The interleaving table (issue 34, testing/interleavings.py): of 300 derandomized
+    programs of the ci stream, every class of interleaving of the workers' reports is reached
+    in one program in twenty or more. On 2026-12-07, over four streams of about 330 programs
+    (the stream changes with the machine's class): the workers of an event apart and out of
+    rank in 110 to 170, stores out of order in 34 to 87, loads in 39 to 100, a load passing a
+    store in 17 to 37, a store passing a load in 28 to 39. With the ``complete`` rule alone,
+    stores completed out of order in none of 300 programs, loads never, a load passed a
+    store in 6 (the ``interleave`` and ``reload_interleaved`` rules)."""
+    reached: Counter[str] = Counter()
+    programs = [0]
+
+    class Counting(machine_for("impl", loads=True)):  # type: ignore[misc]
+        def run(self, call: Call, rule_name: str, continued: bool = False) -> None:
+            owed = {kind: self.model.outstanding(kind) for kind in ("store", "load")}
+            super().run(call, rule_name, continued)
+            self.interleavings.observe(owed, reports_of(call, owed))
+
+        @property
+        def interleavings(self) -> Interleavings:
+            if not hasattr(self, "_interleavings"):
+                self._interleavings = Interleavings()
+            return self._interleavings
+
+        def teardown(self) -> None:
+            programs[0] += 1
+            reached.update(self.interleavings.reached)
+            super().teardown()
+
+    run_state_machine_as_test(Counting, settings=settings(profiles.get("ci"), max_examples=300))
+    table = {name: reached[name] for name in CLASSES}
+    assert all(n * 20 >= programs[0] for n in table.values()), (programs[0], table)
