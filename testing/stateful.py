@@ -104,9 +104,11 @@ BUDGETS = st.integers(0, 24)
 SETTLE_MIN_BUDGET, SETTLE_MAX_BUDGET = 8, 32  # a prompt and its outputs in a few rounds
 SETTLE_BUDGETS = st.integers(SETTLE_MIN_BUDGET, SETTLE_MAX_BUDGET)
 # The orders in which the interleaving rules make the reports owed (testing/interleavings.py)
+KIND_ORDERS = st.sampled_from(("stores latest first", "loads latest first"))
 ORDERS = st.sampled_from(
     ("stores latest first", "loads latest first") * 2 + ("drawn",)  # (two in five of each)
 )
+INTERLEAVE_BUDGETS, INTERLEAVE_STEPS = st.integers(1, 24), st.integers(1, 3)
 # Tiny pools, so that eviction, failed allocation and the CPU capacity limit happen.
 SETUP = initialize(
     layout=st.sampled_from(LAYOUTS),
@@ -364,7 +366,7 @@ class ConformanceMachine(LockstepMachine):
     # event's workers report apart and out of rank (testing/interleavings.py). With
     # `complete` alone (one report at random, in a stream that drains after most steps)
     # stores completed out of order in none of 300 programs of the ci stream, loads never.
-    @rule(data=st.data(), budget=st.integers(1, 24), steps=st.integers(1, 3), order=ORDERS)
+    @rule(data=st.data(), budget=INTERLEAVE_BUDGETS, steps=INTERLEAVE_STEPS, order=ORDERS)
     def interleave(self, data: st.DataObject, budget: int, steps: int, order: str) -> None:
         issued: list[tuple[str, int]] = []  # the events owed, in the order they were issued
         self.note_issued(issued)
@@ -382,7 +384,7 @@ class ConformanceMachine(LockstepMachine):
         data=st.data(),
         budget=SETTLE_BUDGETS,
         fresh=PROMPTS,
-        order=st.sampled_from(("stores latest first", "loads latest first")),
+        order=KIND_ORDERS,
     )
     def reload_interleaved(
         self, data: st.DataObject, budget: int, fresh: list[int], order: str

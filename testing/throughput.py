@@ -27,7 +27,11 @@ from hypothesis.stateful import (
 from kvoffload.testing.machine import Recorder
 from kvoffload.testing.stateful import (
     BUDGETS,
+    INTERLEAVE_BUDGETS,
+    INTERLEAVE_STEPS,
+    KIND_ORDERS,
     MAX_TOKENS,
+    ORDERS,
     PROMPTS,
     SETTLE_BUDGETS,
     SETUP,
@@ -108,6 +112,22 @@ class TrivialMachine(RuleBasedStateMachine):
     @precondition(lambda self: bool(self.live))
     @rule(budget=SETTLE_BUDGETS)
     def weight_update(self, budget: int) -> None:
+        self.live.clear()
+        self.count()
+
+    @rule(data=st.data(), budget=INTERLEAVE_BUDGETS, steps=INTERLEAVE_STEPS, order=ORDERS)
+    def interleave(self, data: st.DataObject, budget: int, steps: int, order: str) -> None:
+        if order == "drawn":
+            data.draw(st.permutations(self.live))
+        self.count()
+
+    @rule(data=st.data(), budget=SETTLE_BUDGETS, fresh=PROMPTS, order=KIND_ORDERS)
+    def reload_interleaved(
+        self, data: st.DataObject, budget: int, fresh: list[int], order: str
+    ) -> None:
+        self.prompts.append(fresh)
+        for _ in range(3):
+            data.draw(st.sampled_from(self.prompts))
         self.live.clear()
         self.count()
 
