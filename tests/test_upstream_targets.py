@@ -139,6 +139,32 @@ def test_a_bug_planted_in_a_copy_of_vllm_is_found(tmp_path: Path) -> None:
     _replay_on_the_tree(tree, tmp_path, manager)
 
 
+def test_a_behaviour_change_planted_in_a_copy_of_vllm_is_a_change_to_review(
+    tmp_path: Path,
+) -> None:
+    """Issue 34: a pull request that changes behaviour on purpose is told from one that breaks
+    the cache. Another LRU tie-break (a completed store's CPU blocks freed tail first, so that
+    a prompt's later blocks are evicted before its first) differs from the model, and the
+    verdict says every invariant holds on vLLM's own state."""
+    tree = _copy_of_0_34(tmp_path / "tree")
+    manager = tree / MANAGER
+    source = manager.read_text()
+    call = "        self.cpu_block_pool.free_blocks(cpu_blocks)\n        self._gpu_block_pool"
+    assert source.count(call) == 1
+    manager.unlink()  # a hard link to the release's file: replace it, never write through
+    manager.write_text(
+        source.replace(
+            call,
+            "        self.cpu_block_pool.free_blocks(reversed(cpu_blocks))  # planted\n"
+            "        self._gpu_block_pool",
+        )
+    )
+    changed = _verify(f"vllm@{tree}", tmp_path)
+    assert changed.returncode == 1, changed.stdout[-3000:] + changed.stderr[-3000:]
+    assert "DISAGREES: differs from the model, every invariant holding" in changed.stdout
+    assert "free queue" in changed.stdout  # the difference: the CPU's eviction order
+
+
 def _replay_on_the_tree(tree: Path, cwd: Path, manager: Path) -> None:
     """The planted tree's failure names the tree, not the release it says it is: its own file
     (the release's is never overwritten), replayed on the tree while its sources are those
