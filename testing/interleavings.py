@@ -91,6 +91,10 @@ class Interleavings:
             if any(e == event for e, _ in left[kind]):
                 self.reached.add(WORKERS_APART)
 
+    def in_issue_order(self) -> list[tuple[str, int]]:
+        """The (kind, event) pairs seen owed so far, in the order they were issued."""
+        return sorted(self.issued, key=lambda seen: (self.issued[seen], seen[1]))
+
     def _completed(self, kind: str, event: int, left: dict[str, set[tuple[int, int]]]) -> None:
         when = self.issued[(kind, event)]
         for (earlier_kind, earlier), issued in self.issued.items():

@@ -28,6 +28,7 @@ from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.adapters import Adapter, Target
 from kvoffload.testing.efficiency import ProgramEfficiency
 from kvoffload.testing.failure import Failure, validate
+from kvoffload.testing.interleavings import Interleavings
 from kvoffload.testing.lockstep import (
     Call,
     agreement,
@@ -368,12 +369,12 @@ class ConformanceMachine(LockstepMachine):
     # stores completed out of order in none of 300 programs of the ci stream, loads never.
     @rule(data=st.data(), budget=INTERLEAVE_BUDGETS, steps=INTERLEAVE_STEPS, order=ORDERS)
     def interleave(self, data: st.DataObject, budget: int, steps: int, order: str) -> None:
-        issued: list[tuple[str, int]] = []  # the events owed, in the order they were issued
-        self.note_issued(issued)
+        issued = Interleavings()  # (what is owed, in the order it was issued)
+        issued.observe(self.owed(), ())
         for n in range(steps):
             self.run(("step", budget), "interleave", continued=n > 0)
-            self.note_issued(issued)
-        self.report_owed(data, issued, order, "interleave")
+            issued.observe(self.owed(), ())
+        self.report_owed(data, issued.in_issue_order(), order, "interleave")
 
     # The same over loads: the engine runs idle and the GPU's prefix cache is reset, then
     # four steps: a new prompt before the first (its stores issued in the next ones), an
@@ -392,7 +393,7 @@ class ConformanceMachine(LockstepMachine):
         before = self.rule_steps
         self.settle_rounds(budget, "reload_interleaved", first=True)
         self.run(("reset_prefix_cache", False), "reload_interleaved", self.rule_steps > before)
-        issued: list[tuple[str, int]] = []
+        issued = Interleavings()
         loaded: list[list[int]] = []
         for n in range(4):
             if n == 0:
@@ -408,14 +409,14 @@ class ConformanceMachine(LockstepMachine):
                     loaded.append(data.draw(st.sampled_from(others)))
                     self.admit(loaded[-1], 1, "reload_interleaved", True, remember=False)
             self.run(("step", budget), "reload_interleaved", continued=True)
-            self.note_issued(issued)
-        self.report_owed(data, issued, order, "reload_interleaved")
+            issued.observe(self.owed(), ())
+        self.report_owed(data, issued.in_issue_order(), order, "reload_interleaved")
 
     def report_owed(
         self, data: st.DataObject, issued: list[tuple[str, int]], order: str, rule_name: str
     ) -> None:
         """Every report owed, one call each, in ``order`` over ``issued``."""
-        owed = {kind: self.model.outstanding(kind) for kind in ("store", "load")}
+        owed = self.owed()
         reports = [(k, e, w) for k, e in issued for e2, w in owed[k] if e2 == e]
         if order == "drawn":
             reports = data.draw(st.permutations(reports))
@@ -428,13 +429,9 @@ class ConformanceMachine(LockstepMachine):
             self.run(call, rule_name, continued=True)
         self.read_stats()
 
-    def note_issued(self, issued: list[tuple[str, int]]) -> None:
-        """Append the events now owed that ``issued`` lacks, in the order of their ids; a
-        step's load before its store (vLLM's worker loads before the forward, saves after)."""
-        for kind in ("load", "store"):
-            for event in sorted({e for e, _ in self.model.outstanding(kind)}):
-                if (kind, event) not in issued:
-                    issued.append((kind, event))
+    def owed(self) -> dict[str, list[tuple[int, int]]]:
+        """Per kind, the (event, worker) reports still owed."""
+        return {kind: self.model.outstanding(kind) for kind in ("store", "load")}
 
     @rule()
     def drain(self) -> None:

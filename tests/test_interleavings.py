@@ -67,3 +67,10 @@ def test_the_reports_of_each_call() -> None:
     # a drain reports every load owed, then every store (the lockstep's order)
     assert reports_of(("drain",), owed) == [("load", 2, 1), ("store", 0, 0)]
     assert reports_of(("step", 8), owed) == []
+
+
+def test_the_issue_order_is_the_calls_a_steps_load_first_then_the_ids() -> None:
+    seen = Interleavings()
+    seen.observe({"store": [(1, 0), (0, 0)], "load": []}, [])
+    seen.observe({"store": [(1, 0), (0, 0), (2, 0)], "load": [(0, 0), (0, 1)]}, [])
+    assert seen.in_issue_order() == [("store", 0), ("store", 1), ("load", 0), ("store", 2)]
