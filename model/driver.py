@@ -162,23 +162,37 @@ class OffloadModel:
         return finished
 
     def complete_all(self) -> tuple[str, ...]:
-        """Every worker reports every store and load still owed, in one output (as vLLM's
-        scheduler takes a step's ``KVConnectorOutput``: the loads' CPU blocks released, then
-        the stores processed, then the loaded requests' GPU blocks); returns the requests
-        whose loads are now complete."""
-        stores = {
-            event: self.config.world_size - len(self._store_reports.get(event, set()))
-            for event, _ in self.outstanding("store")
-        }
-        loads = {event for event, _ in self.outstanding("load")}
+        """Every worker reports every store and load still owed, in one output
+        (:meth:`report`); returns the requests whose loads are now complete."""
+        loads = sorted({event for event, _ in self.outstanding("load")})
+        return self._report(loads, self.outstanding("store"))
+
+    def _report(self, loads: Sequence[int], stores: Sequence[tuple[int, int]]) -> tuple[str, ...]:
+        """One output of the workers, as vLLM's scheduler takes a step's
+        ``KVConnectorOutput``: the load events ``loads`` finished on every worker (vLLM's
+        executor passes a request's load up once all its workers report it), and the
+        (event, worker) store reports ``stores`` (summed per event, as the workers' metadata
+        aggregates); the loads' CPU blocks released, then the stores processed, then the
+        loaded requests' GPU blocks. Returns the requests whose loads are now complete. A
+        report not owed is refused before anything changes."""
+        owed_loads = {event for event, _ in self.outstanding("load")}
+        owed_stores = set(self.outstanding("store"))
+        for event in loads:
+            if event not in owed_loads or list(loads).count(event) > 1:
+                raise InvalidArgumentError(f"load event {brief(event)} is not owed once")
+        for report in stores:
+            if report not in owed_stores or list(stores).count(report) > 1:
+                raise InvalidArgumentError(f"store report {brief(report)} is not owed once")
         self._begin()
         finished: list[str] = []
         for event in sorted(loads):
             self._load_reports[event] = set(range(self.config.world_size))
             finished += self.engine.connector.load_event_to_reqs_for(event)
-        for event in stores:
-            self._store_reports[event] = set(range(self.config.world_size))
-        self.engine.worker_output(set(finished), stores)
+        counts: dict[int, int] = {}
+        for event, worker in sorted(stores):
+            self._store_reports.setdefault(event, set()).add(worker)
+            counts[event] = counts.get(event, 0) + 1
+        self.engine.worker_output(set(finished), counts)
         self._end()
         return tuple(sorted(finished))
 

@@ -45,6 +45,20 @@ class Invariant:
 
 
 REGISTRY: dict[str, Invariant] = {}
+# kvoffload's own contracts (docs/spec.md), which no check function of the model states:
+# they are judged on a target alone (the byte check of every block after every call, the
+# driver's input checks), never on the model's state.
+CONTRACTS: dict[str, str] = {
+    "KV-BYTES": "every block that holds a key holds that key's KV bytes, in every layer of "
+    "every worker, after every call (a block damaged on purpose excepted, until a lookup "
+    "finds it out)",
+    "INPUT": "bad input raises the error `model/validate.py` names, before anything changes",
+}
+
+
+def statement_of(id: str) -> str:
+    """The one-line statement of an invariant of :data:`REGISTRY` or a contract."""
+    return REGISTRY[id].statement if id in REGISTRY else CONTRACTS[id]
 
 
 def invariant(

@@ -36,6 +36,7 @@ from kvoffload.testing.stateful import (
     settle_calls,
 )
 from kvoffload.testing.targets import default_target, spec
+from kvoffload.testing.words import without_words, words_of
 
 # Targets of the mutation matrix under the ``ci`` profile.
 MAX_SHRUNK_STEPS = 8
@@ -93,6 +94,7 @@ def check_record(result: CampaignResult, variant: str, machine: str = OFFLOAD) -
         "seconds_to_first_failure": result.first_failure,
         "programs_to_first_failure": rec.first_failing_program,
         "disagreement": None if failure is None else failure["disagreement"],
+        "in_words": None if failure is None else words_of(failure["disagreement"]),
         "failure": failure,
         "reproducer": None if failure is None else validate(failure).reproducer(),
         "saved": None if result.saved is None else str(result.saved.absolute()),
@@ -352,6 +354,8 @@ def report(
         # issue 34: what the target's cache cost in hits and copies, beside the verdict
         "efficiency": rec.efficiency.as_dict(),
         "seconds_to_first_failure": result.first_failure,
+        # issue 34: the first difference as a reviewer reads it (testing/words.py)
+        "in_words": None if failure is None else words_of(failure.disagreement),
         "failure": None if failure is None else failure.to_dict(),
         "reproducer": None if failure is None else failure.reproducer(),
         "saved": None if result.saved is None else str(result.saved),
@@ -401,7 +405,11 @@ def print_result(result: CampaignResult, label: str = "", where: str = "") -> No
     print(seed_line(result))
     if result.failure is not None:
         failure = validate(result.failure)
-        print("\n" + failure.disagreement)
+        words = words_of(failure.disagreement)
+        if words is not None:
+            # what a reviewer reads first: the difference in words, then exactly
+            print(f"\nin words: {words}")
+        print("\n" + without_words(failure.disagreement))
         print(f"\nreproduce{where} with:\n" + failure.reproducer())
         if result.saved is not None:
             print(
@@ -459,6 +467,14 @@ def run_mutants(
     return status
 
 
+def _first_difference(found: str) -> list[str]:
+    """A page's paragraphs for a difference: in words where it has them, then exactly."""
+    words = words_of(found)
+    if words is None:
+        return [f"First difference: {found}"]
+    return [f"First difference, in words: {words}", "", f"Exactly: {without_words(found)}"]
+
+
 def bugs_page(matrix: list[CampaignResult], profile_name: str) -> str:
     parts = [
         "# The fault catalogue, as the conformance machine finds it",
@@ -496,7 +512,7 @@ def bugs_page(matrix: list[CampaignResult], profile_name: str) -> str:
             calls,
             "```",
             "",
-            f"First difference: {r.failure['disagreement']}",
+            *_first_difference(r.failure["disagreement"]),
             "",
         ]
     return "\n".join(parts)

@@ -77,10 +77,11 @@ CALLS: dict[str, tuple[str, ...]] = {
     "corrupt": ("int", "int"),
 }
 # The scheduler machine's calls (kvoffload.vllm_target.scheduler): a step says whether its
-# output reports every completion sent so far; an abort finishes a request from outside.
+# output reports every completion sent so far, or which (its picks); an abort finishes a
+# request from outside.
 SCHEDULER_CALLS: dict[str, tuple[str, ...]] = {
     "add": ("str", "ints", "int", "flag?"),
-    "step": ("int", "flag"),
+    "step": ("int", "flag", "ints?"),
     "abort": ("str",),
     "reset_prefix_cache": ("flag", "flag?"),
 }

@@ -14,12 +14,12 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, replace
+from typing import Any, NamedTuple
 
 from kvoffload.impl import OffloadImpl
 from kvoffload.model import InvariantViolation, KVOffloadError, OffloadConfig, OffloadModel
-from kvoffload.model.invariants import REGISTRY
+from kvoffload.model.invariants import statement_of
 from kvoffload.model.observed import Observation, judge
 from kvoffload.model.snapshot import PoolView, Snapshot
 from kvoffload.model.types import STORED, KVEvent
@@ -31,6 +31,7 @@ from kvoffload.testing.adapters import (
 )
 from kvoffload.testing.failure import MODEL_BROKE_WORDS, TARGET_BROKE_WORDS
 from kvoffload.testing.targets import spec, variant_of
+from kvoffload.testing.words import difference_words, in_words, name_of
 
 Call = tuple[Any, ...]
 
@@ -148,30 +149,43 @@ def agreement(model: OffloadModel, impl: Target) -> Agreed | None:
     return found if found is not None and found.model is model else None
 
 
-def compare_events(
-    model: OffloadModel, impl: Target
-) -> tuple[str | None, tuple[KVEvent, ...] | None]:
-    """Drain the kv-cache events of both sides since the last call and describe how they
-    differ, or None; with the target's events in the order it published them (None if it
-    gave none). One call's events are compared as a multiset: vLLM publishes a block's
-    secondary keys in the order of a set."""
+class EventComparison(NamedTuple):
+    """How the kv-cache events of one call compare: the difference described (None where
+    they agree), the target's events in the order it published them (None if it gave none),
+    and the events only the model, only the target published."""
+
+    difference: str | None
+    published: tuple[KVEvent, ...] | None
+    only_model: tuple[KVEvent, ...] = ()
+    only_target: tuple[KVEvent, ...] = ()
+
+
+def compare_events(model: OffloadModel, impl: Target) -> EventComparison:
+    """Drain the kv-cache events of both sides since the last call and compare them. One
+    call's events are compared as a multiset: vLLM publishes a block's secondary keys in the
+    order of a set."""
     mine = sorted(model.take_events(), key=KVEvent.sort_key)
     try:
         published = tuple(impl.take_events())
     except Exception as error:
-        return f"the implementation's take_events() raised {as_outcome(error)}", None
+        return EventComparison(
+            f"the implementation's take_events() raised {as_outcome(error)}", None
+        )
     theirs = sorted(published, key=KVEvent.sort_key)
     if mine == theirs:
-        return None, published
-    only_mine = [e for e in mine if e not in theirs]
-    only_theirs = [e for e in theirs if e not in mine]
-    return (
+        return EventComparison(None, published)
+    only_mine = tuple(e for e in mine if e not in theirs)
+    only_theirs = tuple(e for e in theirs if e not in mine)
+    return EventComparison(
         f"kv events differ: only the model published {_events(only_mine)}, only the "
-        f"implementation {_events(only_theirs)}"
-    ), published
+        f"implementation {_events(only_theirs)}",
+        published,
+        only_mine,
+        only_theirs,
+    )
 
 
-def _events(events: list[KVEvent], limit: int = 4) -> str:
+def _events(events: Sequence[KVEvent], limit: int = 4) -> str:
     shown = [
         f"{e.kind} {e.key}"
         + (f" {list(e.token_ids)}/{e.block_size}" if e.kind == STORED else "")
@@ -214,36 +228,63 @@ def compare(
     # (the snapshots after the previous call, where they agreed: also the state before this
     # call, for the verdict's transition forms; reused for speed only when incremental)
     agreed = agreement(model, impl)
-    events, published = compare_events(model, impl)
-    found, snapshots = _difference(
-        model, impl, call, n, incremental, expected, actual, events, agreed
+    events = compare_events(model, impl)
+    published = events.published
+    found, snapshots, wrong = _difference(
+        model, impl, call, n, incremental, expected, actual, events.difference, agreed
     )
-    if found is None or snapshots is None:
+    if found is None:
+        return None
+    # The difference in words (issue 34), after its raw text: what a reviewer reads first.
+    mine, theirs = snapshots if snapshots is not None else (None, None)
+    only = (events.only_model, events.only_target) if events.difference else None
+    name = name_of(impl)
+    said = difference_words(expected, actual, mine, theirs, only, name)
+    found += in_words(said + [f"in {name}, {w}" for w in wrong])
+    if wrong:
+        # Wrong KV bytes under a key are a bug whatever the model decided (issue 34: the
+        # byte check judges the target's own blocks against each key's content).
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        return target_broke_at(InvariantViolation("KV-BYTES", wrong[0] + more), call, n, found)
+    if mine is None or theirs is None:
         return found
-    mine, theirs = snapshots
     if call[0] == "fail_store":
         failed_before |= {call[1]}
     before = agreed.target_snapshot if agreed is not None else None
-    breaks = judge(
-        Observation(model.config, theirs, before, call, failed_before, actual, published)
-    )
+    judged = Observation(model.config, theirs, before, call, failed_before, actual, published)
+    return classified(model, found, judged, mine, expected, n)
+
+
+def classified(
+    model: OffloadModel,
+    found: str,
+    target: Observation,
+    mine: Snapshot,
+    expected: object,
+    n: int,
+) -> str:
+    """A difference ``found`` at call ``n`` given its class (issue 34): where the target's
+    own state (``target``: its snapshot after the call, before it, the call and its result)
+    breaks an observable form of an invariant, ``the target breaks ID``, a bug; otherwise
+    ``found`` as it is, a change with every invariant holding. Both machines' locksteps
+    judge their differences here."""
+    breaks = judge(target)
     if breaks and not keeps_invariants(model.variant):
         # A variant that models other bugs breaks invariants of its own: an invariant it
         # breaks on this call too is that modelled bug's, not this difference's (the
         # history's isolations).
         modelled = {
-            v.invariant
-            for v in judge(Observation(model.config, mine, before, call, failed_before, expected))
+            v.invariant for v in judge(replace(target, after=mine, result=expected, events=None))
         }
         breaks = [v for v in breaks if v.invariant not in modelled]
-    return found if not breaks else target_broke_at(breaks[0], call, n, found)
+    return found if not breaks else target_broke_at(breaks[0], target.call or (), n, found)
 
 
 def target_broke_at(broken: InvariantViolation, call: Call, n: int, found: str) -> str:
     """A difference where the target's own state breaks an invariant of the spec (a bug):
     the invariant, its statement, what breaks it, then how the target differs from the
     model (:data:`~kvoffload.testing.failure.TARGET_BROKE_WORDS`: a verdict of its own)."""
-    statement = REGISTRY[broken.invariant].statement
+    statement = statement_of(broken.invariant)
     return (
         f"{TARGET_BROKE_WORDS}{broken.invariant} at call {n} {call}: {broken.detail} "
         f"({broken.invariant}: {statement}). It differs from the model: {found}"
@@ -260,10 +301,10 @@ def _difference(
     actual: object,
     events: str | None,
     agreed: Agreed | None,
-) -> tuple[str | None, tuple[Snapshot, Snapshot] | None]:
+) -> tuple[str | None, tuple[Snapshot, Snapshot] | None, list[str]]:
     """How the target differs from the model after ``call`` (``events``: how their kv
     events of the call differ), or None; with the model's and the target's snapshots, when
-    the target gave one."""
+    the target gave one, and the blocks whose bytes are wrong, when that is the difference."""
     results = None
     if expected != actual:
         results = f"call {n} {call}: model returned {expected!r}, implementation {actual!r}"
@@ -274,9 +315,12 @@ def _difference(
     try:
         theirs = impl.snapshot()
     except Exception as error:
-        return (results or f"call {n} {call}") + (
-            f": the implementation's snapshot raised {as_outcome(error)}"
-        ), None
+        return (
+            (results or f"call {n} {call}")
+            + (f": the implementation's snapshot raised {as_outcome(error)}"),
+            None,
+            [],
+        )
     unchanged = incremental and agreed is not None and unchanged_since(agreed, mine, theirs)
     if unchanged or mine == theirs:
         with contextlib.suppress(TypeError):  # a target that takes no weak reference
@@ -289,19 +333,20 @@ def _difference(
         # With the results, what the state says: the cause is often there (a pin missing)
         # while the result shows only its effect (a request scheduled otherwise).
         head = f"{results}; snapshots" if results else f"call {n} {call}: snapshots"
-        return f"{head} differ in {fields}: {details}", (mine, theirs)
+        return f"{head} differ in {fields}: {details}", (mine, theirs), []
     if results:
-        return results, (mine, theirs)
+        return results, (mine, theirs), []
     try:
         wrong = wrong_bytes(model, impl, incremental)
     except Exception as error:
         return (
             f"call {n} {call}: the implementation's data check raised {as_outcome(error)}",
             (mine, theirs),
+            [],
         )
     if wrong:
-        return f"call {n} {call}: {wrong[0]}", (mine, theirs)
-    return None, (mine, theirs)
+        return f"call {n} {call}: {wrong[0]}", (mine, theirs), wrong
+    return None, (mine, theirs), []
 
 
 def unchanged_since(agreed: Agreed, mine: Snapshot, theirs: Snapshot) -> bool:

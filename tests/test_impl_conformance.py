@@ -77,6 +77,7 @@ FAULT_BREAKS = {
     "reset-leaks-flush": "IN-FLIGHT",
     "secondary-keys-not-copied": "REGISTERED",
     "secondary-keys-unannounced": "EVENT-STREAM",
+    "store-skips-compute-wait": "KV-BYTES",
     "window-stale-ids": "POSITION",
 }
 

@@ -23,6 +23,9 @@ from kvoffload.testing import profiles
 from kvoffload.testing.campaign import report, run_campaign
 from kvoffload.testing.failure import BREAKS, DIFFERS, target_broke, verdict_of
 from kvoffload.testing.lockstep import Call, first_disagreement, outcome, target_outcome
+from kvoffload.testing.machine import Recorder
+from kvoffload.testing.scheduler_lockstep import model_call, model_snapshot
+from kvoffload.testing.scheduler_machine import scheduler_machine
 from kvoffload.testing.stateful import machine_for
 
 from helpers import make, prompt
@@ -70,6 +73,31 @@ def test_every_form_holds_on_every_snapshot_of_the_model(variant: str | None) ->
     run_state_machine_as_test(Judging, settings=settings(profiles.get("ci"), max_examples=400))
     assert Judging.broken == [] and Judging.judged[0] > 4000
     assert Judging.events[0] > 200  # the event forms were judged on events
+
+
+def test_every_form_holds_on_every_snapshot_of_the_scheduler_machine_s_model() -> None:
+    """Soundness on the scheduler machine (vLLM's own ``Scheduler`` as the target): its calls
+    are not the offload machine's (a step reports the workers' completions in its own
+    output, an abort finishes from outside, finished requests leave the snapshot), and the
+    verdict judges vLLM's scheduler's state with the same forms. 150 derandomized programs
+    of its ci stream, the model alone."""
+    broken: list[str] = []
+    judged = [0]
+
+    class Judging(scheduler_machine("fixed", Recorder(), vllm=False)):  # type: ignore[misc]
+        def check(self, call: Call, n: int) -> str | None:
+            before = model_snapshot(self.model)
+            result = model_call(self.model, call)
+            after = model_snapshot(self.model)
+            found = judge(Observation(self.config, after, before, call, frozenset(), result))
+            judged[0] += 1
+            if found:
+                broken.append(f"{found[0]} after call {n} {call}")
+                return f"the model's own snapshot breaks {found[0]}"
+            return None
+
+    run_state_machine_as_test(Judging, settings=settings(profiles.get("ci"), max_examples=150))
+    assert broken == [] and judged[0] > 2000, (broken[:3], judged)
 
 
 def test_every_form_is_registered_under_an_invariant_once() -> None:

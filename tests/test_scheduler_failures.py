@@ -102,7 +102,7 @@ def test_replay_round_trips_a_scheduler_failure(
         ({"whole_sequence_admission": None}, "whole_sequence_admission must be a bool"),
         ({"adapter": "impl"}, "the scheduler machine drives model, vllm, not 'impl'"),
         ({"program": [["drain"]]}, "unknown call 'drain'"),
-        ({"program": [["step", 8]]}, "'step' takes 2 arguments, got 1"),
+        ({"program": [["step", 8]]}, "'step' takes 2 to 3 arguments, got 1"),
         ({"machine": "offload"}, "whole_sequence_admission must be a bool for the scheduler"),
     ],
 )

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from kvoffload.model.errors import ConfigError
+from kvoffload.testing.words import without_words
 from kvoffload.upstream.bugs import HistoricalBug, select
 from kvoffload.upstream.check import judge, run_in_cache
 from kvoffload.upstream.install import Cache, default_cache
@@ -248,7 +249,7 @@ def table(results: list[BugResult]) -> str:
 def _short(difference: str, limit: int = 160) -> str:
     """A difference in one table cell. Where a result and the state both differ, the call
     and the state's fields come first: they name the cause, the result its effect."""
-    text = difference.replace("|", "/").replace("\n", " ")
+    text = without_words(difference).replace("|", "/").replace("\n", " ")
     call, sep, state = text.partition("; snapshots differ in ")
     if sep:
         text = (

@@ -59,6 +59,8 @@ from kvoffload.vllm_target.world import build, cached_entries, queued_final_flus
 class VllmOffload:
     """vLLM's ``BlockPool`` and ``SimpleCPUOffloadScheduler`` driven call by call."""
 
+    name_in_words = "vLLM"  # how a difference in words names it (testing/words.py)
+
     def __init__(self, config: OffloadConfig) -> None:
         self.config = config
         self.world = build(config)

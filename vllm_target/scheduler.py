@@ -8,18 +8,19 @@ budget, chunked prefill, admission, preemption, prefix-cache hits, the connector
 and loads), builds the connector's metadata, and ``update_from_output()`` takes the step's
 sampled tokens and the workers' reports. The adapter plays the model runner: a request that
 reaches the end of its tokens samples the model engine's greedy token, and the stores and
-loads sent are reported complete by every worker, in the step's own output or held back
-to a later step's (``report``). Requests are aborted from outside the step
-(``finish_requests``), and the prefix cache is reset as vLLM's engine resets it (nothing
-preempted, the connector's reset asked or not).
+loads sent are reported complete, by every worker in the step's own output, or held back to
+later steps' outputs, each reporting some of them (``report``, ``picks``). Requests are
+aborted from outside the step (``finish_requests``), and the prefix cache is reset as vLLM's
+engine resets it (nothing preempted, the connector's reset asked or not).
 
 Its calls, and the model's for each (:func:`model_call`):
 
 - ``("add", id, prompt, max_tokens[, skip_reading_prefix_cache])``: ``add_request``;
-- ``("step", budget, report)``: one ``schedule()`` with ``budget`` tokens and its output;
-  what it scheduled and sent (:data:`StepView`); ``report``: every store and load sent so
-  far reported complete by every worker in this output (the model: ``step`` then every
-  completion owed);
+- ``("step", budget, report[, picks])``: one ``schedule()`` with ``budget`` tokens and its
+  output; what it scheduled and sent (:data:`StepView`); ``report``: every store and load
+  sent so far reported complete by every worker in this output (the model: ``step`` then
+  every completion owed); else the reports ``picks`` chooses (:func:`picked`: some workers
+  of a store event, a later event before an earlier one; the model: ``step`` then those);
 - ``("abort", id)``: ``finish_requests(id, FINISHED_ABORTED)`` (the model: ``finish``);
 - ``("reset_prefix_cache", reset_connector[, reset_running_requests])``:
   ``reset_prefix_cache``, its answer (preempting every running request first: the RLHF
@@ -60,6 +61,22 @@ StepView = tuple[
     dict[str, int], int, tuple[int, ...], tuple[int, ...], int, tuple[int, ...], tuple[int, ...]
 ]
 CALLS = ("add", "step", "abort", "reset_prefix_cache")
+
+
+def picked(
+    loads: Sequence[int], stores: Sequence[tuple[int, int]], picks: Sequence[int]
+) -> tuple[list[int], list[tuple[int, int]]]:
+    """The reports a step's output makes of those owed: the load events ``loads`` (each
+    whole) then the (event, worker) store reports ``stores``, in that order, and ``picks``
+    their indexes (one past them picks nothing, duplicates count once), so that any subset
+    of the reports, in any interleaving of events and workers, is some list of picks; both
+    sides of the scheduler machine choose the same from the same reports owed."""
+    owed: list[tuple[int, int]] = [(e, -1) for e in loads] + list(stores)
+    chosen = {owed[i] for i in picks if 0 <= i < len(owed)}
+    return (
+        [e for e, w in owed[: len(loads)] if (e, w) in chosen],
+        [r for r in owed[len(loads) :] if r in chosen],
+    )
 
 
 def unsupported(config: OffloadConfig) -> str | None:
@@ -118,8 +135,11 @@ class VllmScheduler:
         self.manager._expected_worker_count = config.world_size
         self.keys = KeyMap(config.hash_block_size)
         self.requests: dict[str, Any] = {}  # every request added, finished ones too
-        self._unreported_stores: dict[int, int] = {}
-        self._unreported_loads: list[str] = []
+        # the reports owed: per store event the workers that have not reported it, per
+        # load event its requests (vLLM's executor passes a load up once every worker
+        # finished it, so a load is reported whole)
+        self._unreported_stores: dict[int, set[int]] = {}
+        self._unreported_loads: dict[int, list[str]] = {}
         # The connector's kv-cache events as vLLM's scheduler collects them for its
         # publisher (with the GPU pool's, which the model does not publish).
         self._events: list[Any] = []
@@ -165,10 +185,11 @@ class VllmScheduler:
         self.scheduler.add_request(request)
         self._learn()
 
-    def step(self, token_budget: int, report: bool = True) -> StepView:
+    def step(self, token_budget: int, report: bool = True, picks: Sequence[int] = ()) -> StepView:
         """One ``schedule()`` with ``token_budget`` tokens, the model runner's output for it,
         and ``update_from_output()``; what the step scheduled and sent. ``report``: the
-        output reports every store and load sent so far (this step's included) complete."""
+        output reports every store and load sent so far (this step's included) complete;
+        else the reports ``picks`` chooses among those owed (:func:`picked`)."""
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
@@ -185,14 +206,23 @@ class VllmScheduler:
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([greedy_token(list(request.all_token_ids))] if done else [])
         if meta.store_event >= 0:
-            self._unreported_stores[meta.store_event] = self.config.world_size
+            self._unreported_stores[meta.store_event] = set(range(self.config.world_size))
         if meta.load_event >= 0:
-            self._unreported_loads += sorted(meta.load_event_to_reqs.get(meta.load_event, ()))
+            reqs = meta.load_event_to_reqs.get(meta.load_event, ())
+            self._unreported_loads[meta.load_event] = sorted(reqs)
+        owed = [(e, w) for e, workers in sorted(self._unreported_stores.items()) for w in workers]
+        load_events, reports = (
+            (sorted(self._unreported_loads), owed)
+            if report
+            else picked(sorted(self._unreported_loads), owed, picks)
+        )
+        loads = sorted(r for e in load_events for r in self._unreported_loads.pop(e))
         stores: dict[int, int] = {}
-        loads: list[str] = []
-        if report:
-            stores, self._unreported_stores = self._unreported_stores, {}
-            loads, self._unreported_loads = sorted(self._unreported_loads), []
+        for event, worker in sorted(reports):
+            stores[event] = stores.get(event, 0) + 1
+            self._unreported_stores[event].discard(worker)
+            if not self._unreported_stores[event]:
+                del self._unreported_stores[event]
         scheduler.update_from_output(
             output,
             ModelRunnerOutput(
@@ -259,14 +289,16 @@ class VllmScheduler:
         requests = tuple(
             RequestView(
                 req_id,
-                req.status.name.lower(),
+                "finished" if req.is_finished() else req.status.name.lower(),
                 req.num_tokens,
                 req.num_computed_tokens,
                 tuple(req.output_token_ids),
-                _table(manager.get_block_ids(req_id)),
+                table,
             )
             for req_id, req in sorted(self.scheduler.requests.items())
-            if not req.is_finished()
+            # A finished request whose blocks vLLM keeps (a load still owed: the connector
+            # delays their free) is still in the scheduler's requests, and holds them.
+            if (table := _table(manager.get_block_ids(req_id))) or not req.is_finished()
         )
         return manager_snapshot(self.manager, manager.block_pool, self.keys, requests)
 
