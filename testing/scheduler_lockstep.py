@@ -160,17 +160,17 @@ def compare_call(
     except Exception as error:
         actual = as_outcome(error)
     head = f"call {n} {call}"
+    results = step_words(expected, actual) if expected != actual else []
+    returned = f"{head}: the model returned {expected!r}, vLLM's scheduler {actual!r}"
     mine = model_snapshot(model)
     try:
         theirs = target.snapshot()
     except Exception as error:
-        found = f"{head}: vLLM's scheduler's snapshot raised {as_outcome(error)}"
-        if expected != actual:
-            found = f"{head}: the model returned {expected!r}, vLLM's scheduler {actual!r}"
-        return found + in_words(step_words(expected, actual))
+        raised = f"{head}: vLLM's scheduler's snapshot raised {as_outcome(error)}"
+        return (returned if results else raised) + in_words(results)
     before = _AGREED.get(target)
-    if expected != actual:
-        found = f"{head}: the model returned {expected!r}, vLLM's scheduler {actual!r}"
+    if results:
+        found = returned
     elif mine != theirs:
         fields = [f for f in mine.__dataclass_fields__ if getattr(mine, f) != getattr(theirs, f)]
         details = "; ".join(
@@ -180,7 +180,6 @@ def compare_call(
     else:
         _AGREED[target] = theirs
         return _compare_events(model, target, call, head, model_events)
-    results = step_words(expected, actual) if expected != actual else []
     found += in_words(results + difference_words(None, None, mine, theirs, None, TARGET))
     # The class of the difference (issue 34), judged on vLLM's scheduler's own state. Its kv
     # events are not judged here: vLLM publishes those of the calls between two steps at the
