@@ -263,6 +263,9 @@ class CampaignItem(pytest.Item):
             seconds=campaigns.seconds,
             seed=campaigns.seed,
         )
+        # The verdict's class as a property of the test case (JUnit XML carries it): conforms,
+        # breaks ID (a bug) or differs (a change to review), as `verify --json` says it.
+        self.user_properties.append(("kvoffload-verdict", result.verdict_class))
         if not result.conforms:
             text = io.StringIO()
             with redirect_stdout(text):

@@ -22,7 +22,7 @@ registry's order.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Collection, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -483,11 +483,14 @@ def event_stream(o: Observation) -> Iterator[str]:
     yield from stream_mismatches(said, {key: len(ids) for key, ids in o.after.cpu.cached})
 
 
-def judge(observation: Observation) -> list[InvariantViolation]:
-    """Every violation of an observable form, in the registry's order."""
+def judge(
+    observation: Observation, forms: Collection[str] | None = None
+) -> list[InvariantViolation]:
+    """Every violation of an observable form (of those ``forms`` names, where given), in the
+    registry's order."""
     return [
         InvariantViolation(id, detail)
         for id in REGISTRY
-        if id in OBSERVED
+        if id in OBSERVED and (forms is None or id in forms)
         for detail in OBSERVED[id](observation)
     ]

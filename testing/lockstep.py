@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple
 
@@ -262,19 +262,21 @@ def classified(
     mine: Snapshot,
     expected: object,
     n: int,
+    forms: Collection[str] | None = None,
 ) -> str:
     """A difference ``found`` at call ``n`` given its class (issue 34): where the target's
     own state (``target``: its snapshot after the call, before it, the call and its result)
-    breaks an observable form of an invariant, ``the target breaks ID``, a bug; otherwise
-    ``found`` as it is, a change with every invariant holding. Both machines' locksteps
-    judge their differences here."""
-    breaks = judge(target)
+    breaks an observable form of an invariant (of ``forms`` where given), ``the target
+    breaks ID``, a bug; otherwise ``found`` as it is, a change with every invariant
+    holding. Both machines' locksteps judge their differences here."""
+    breaks = judge(target, forms)
     if breaks and not keeps_invariants(model.variant):
         # A variant that models other bugs breaks invariants of its own: an invariant it
         # breaks on this call too is that modelled bug's, not this difference's (the
         # history's isolations).
         modelled = {
-            v.invariant for v in judge(replace(target, after=mine, result=expected, events=None))
+            v.invariant
+            for v in judge(replace(target, after=mine, result=expected, events=None), forms)
         }
         breaks = [v for v in breaks if v.invariant not in modelled]
     return found if not breaks else target_broke_at(breaks[0], target.call or (), n, found)

@@ -64,12 +64,12 @@ def _events_uncompared(original: Any) -> Any:
 
 
 def _verdict_blind(original: Any) -> Any:
-    return lambda observation: []
+    return lambda observation, forms=None: []
 
 
 def _verdict_always_breaks(original: Any) -> Any:
-    def judge(observation: Any) -> list[InvariantViolation]:
-        return original(observation) or [InvariantViolation("POOL-QUEUE", "planted")]
+    def judge(observation: Any, forms: Any = None) -> list[InvariantViolation]:
+        return original(observation, forms) or [InvariantViolation("POOL-QUEUE", "planted")]
 
     return judge
 

@@ -40,10 +40,15 @@ from kvoffload.testing.words import (
 from kvoffload.vllm_target.scheduler import CALLS, StepView, VllmScheduler, picked
 
 TARGET = "vLLM's scheduler"  # how a difference in words names the target
+EVENT_FORMS = frozenset({"EVENT-STREAM"})  # the forms that judge a step's published events
 # vLLM's scheduler's snapshot after the last call where it agreed with the model: the state
 # before the next call, for the verdict's transition forms (keyed by the target, so that a
 # finished program's entry goes with it).
 _AGREED: weakref.WeakKeyDictionary[VllmScheduler, Snapshot] = weakref.WeakKeyDictionary()
+# With kv-cache events: vLLM's scheduler's snapshot when it last published them (after the
+# last step, or before the first call), from which the events of the next step are read
+# (EVENT-STREAM).
+_PUBLISHED: weakref.WeakKeyDictionary[VllmScheduler, Snapshot] = weakref.WeakKeyDictionary()
 
 
 def model_step(
@@ -148,6 +153,8 @@ def compare_call(
     events, ``model_events`` holds the model's since the last step: vLLM's scheduler
     publishes the connector's once a step, so they are compared at each step."""
     require_call(call)
+    if model.config.kv_events and target not in _PUBLISHED:
+        _PUBLISHED[target] = target.snapshot()  # (nothing published yet)
     try:
         expected: object = model_call(model, call)
     except InvariantViolation as broken:
@@ -179,11 +186,12 @@ def compare_call(
         found = f"{head}: snapshots differ in {fields}: {details}"
     else:
         _AGREED[target] = theirs
-        return _compare_events(model, target, call, head, model_events)
+        return _compare_events(model, target, call, n, theirs, model_events)
     found += in_words(results + difference_words(None, None, mine, theirs, None, TARGET))
     # The class of the difference (issue 34), judged on vLLM's scheduler's own state. Its kv
-    # events are not judged here: vLLM publishes those of the calls between two steps at the
-    # second, so no call's events go with its snapshots.
+    # events are judged only where the snapshots agree (_compare_events): vLLM publishes
+    # those of the calls between two steps at the second, so no call's events go with its
+    # snapshots, and a step's go with the snapshots since the step before.
     judged = Observation(model.config, theirs, before, call, frozenset(), actual)
     return classified(model, found, judged, mine, expected, n)
 
@@ -192,22 +200,30 @@ def _compare_events(
     model: OffloadModel,
     target: VllmScheduler,
     call: Call,
-    head: str,
+    n: int,
+    theirs: Snapshot,
     pending: list[KVEvent] | None,
 ) -> str | None:
+    """At a step, the kv-cache events vLLM's scheduler published in it (those of the calls
+    since the step before) against the model's of the same calls; a difference classed by
+    EVENT-STREAM, read from vLLM's snapshot when it last published to its snapshot now."""
     if pending is None or not model.config.kv_events:
         return None
     pending += model.take_events()
     if call[0] != "step":
         return None
-    mine, theirs = list(pending), target.take_events()
+    mine, published = list(pending), target.take_events()
     pending.clear()
-    if mine == theirs:
+    since = _PUBLISHED[target]
+    _PUBLISHED[target] = theirs
+    if mine == published:
         return None
-    return (
-        f"{head}: kv-cache events differ: the model published {mine}, vLLM's scheduler {theirs}"
-        + in_words(event_words(mine, theirs, TARGET))
+    found = (
+        f"call {n} {call}: kv-cache events differ: the model published {mine}, vLLM's "
+        f"scheduler {published}" + in_words(event_words(mine, published, TARGET))
     )
+    judged = Observation(model.config, theirs, since, call, events=tuple(published))
+    return classified(model, found, judged, model_snapshot(model), None, n, EVENT_FORMS)
 
 
 def invariant_broken(model: OffloadModel, call: Call, n: int) -> str | None:

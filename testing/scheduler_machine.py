@@ -10,8 +10,10 @@ and kv-cache events one program in three each, requests that skip reading the pr
 vLLM's whole-sequence admission on or off, resets that preempt the running requests. Each
 step reports the stores and loads sent so far complete, or (one step in four) holds them back
 to a later step's output; the ``report_some`` rule's steps report some of those owed, in any
-interleaving of events and workers. The model is the release's variant with vLLM 0.34.0's scheduling
-(:data:`~kvoffload.model.engine.VLLM_SCHEDULING`).
+interleaving of events and workers, and the ``interleave`` and ``reload_interleaved`` rules
+hold every report for a few steps, then report them latest first or in a drawn order (every
+class of :mod:`kvoffload.testing.interleavings` in one program in twenty). The model is the
+release's variant with vLLM 0.34.0's scheduling (:data:`~kvoffload.model.engine.VLLM_SCHEDULING`).
 
 A check of the release table names this machine with ``machine="scheduler"``
 (:mod:`kvoffload.vllm_target.releases`); ``kvoffload verify --target vllm==X`` runs it beside the
@@ -48,7 +50,7 @@ from kvoffload.testing.scheduler_lockstep import (
     invariant_broken,
     scheduling,
 )
-from kvoffload.testing.stateful import PROMPTS, SKIP_READING, TAILS
+from kvoffload.testing.stateful import KIND_ORDERS, ORDERS, PROMPTS, SKIP_READING, TAILS
 from kvoffload.testing.targets import TargetSpec, spec
 
 # Full-attention groups: one of blocks of 4 or 8 (vLLM's one-group coordinator hashes whole
@@ -63,6 +65,9 @@ REPORTS = st.integers(0, 3).map(lambda n: n != 3)
 PICKS = st.lists(st.integers(0, 5), max_size=3)
 # Longer decodes than the offload machine's: running requests that grow preempt others.
 MAX_TOKENS = st.one_of(st.just(1), st.integers(1, 12))
+# The interleaving rules' held steps before their reports, and the most steps that report
+HELD_STEPS, INTERLEAVE_BUDGETS = st.integers(2, 3), st.integers(4, 16)
+REPORTING_STEPS = 6
 
 
 class SchedulerMachine(LockstepMachine):
@@ -182,6 +187,92 @@ class SchedulerMachine(LockstepMachine):
             picks = data.draw(PICKS)
             self.run(("step", budget, False, picks), "report_some", continued=n > 0)
 
+    # The workers' reports in an order of their own (issue 34), as the offload machine's rule
+    # of that name makes them: a new prompt of two scheduler blocks and more, then two or
+    # three steps of a few blocks' tokens whose outputs report nothing, so that several
+    # events are owed at once, then steps that report them latest first (stores before
+    # loads or loads before stores, each event in a step of its own) or in a drawn order
+    # (each worker's report of a store in a step of its own). With ``report_some`` alone,
+    # stores completed out of order in 1 program of 162 of the ci stream, a store passed a
+    # load in none (a step's picks seldom meet several events owed).
+    @rule(
+        data=st.data(),
+        fresh=PROMPTS,
+        budget=INTERLEAVE_BUDGETS,
+        steps=HELD_STEPS,
+        order=ORDERS,
+    )
+    def interleave(
+        self, data: st.DataObject, fresh: list[int], budget: int, steps: int, order: str
+    ) -> None:
+        # (a token past two scheduler blocks, so that each held step can store a block)
+        size = 2 * self.config.scheduler_block_size + 1
+        rule_steps = self.rule_steps
+        self.admit(fresh * -(-size // len(fresh)), 1, False, "interleave", continued=False)
+        for n in range(steps):
+            started = n > 0 or self.rule_steps > rule_steps
+            self.run(("step", budget, False), "interleave", continued=started)
+        self.report_owed(data, budget, order, "interleave")
+
+    # The same over loads: the engine runs idle and the GPU's prefix cache is reset, then
+    # three held steps: a new prompt before the first (its stores issued from there), an
+    # earlier prompt the CPU holds before each of the others (a load each, the second
+    # issued after the first's and after stores).
+    @precondition(lambda self: bool(self.prompts))
+    @rule(data=st.data(), budget=st.integers(4, 24), fresh=PROMPTS, order=KIND_ORDERS)
+    def reload_interleaved(
+        self, data: st.DataObject, budget: int, fresh: list[int], order: str
+    ) -> None:
+        rule_steps = self.rule_steps
+        self.settle_steps(32, "reload_interleaved", first=True)
+        started = self.rule_steps > rule_steps
+        self.run(("reset_prefix_cache", False), "reload_interleaved", continued=started)
+        loaded: list[list[int]] = []
+        for n in range(3):
+            if n == 0:
+                # (a scheduler block and a token at least, so that a block of it is stored)
+                size = self.config.scheduler_block_size + 1
+                self.admit(fresh * -(-size // len(fresh)), 1, False, "reload_interleaved", True)
+            else:
+                # (a prompt the CPU would serve, another than the first load's where there
+                # is one; the model's lookup is read-only)
+                held = [p for p in self.prompts if self.model.lookup(p)]
+                others = [p for p in held if p not in loaded] or held
+                if others:
+                    loaded.append(data.draw(st.sampled_from(others)))
+                    self.admit(loaded[-1], 1, False, "reload_interleaved", True)
+            self.run(("step", budget, False), "reload_interleaved", continued=True)
+        self.report_owed(data, budget, order, "reload_interleaved")
+
+    def report_owed(self, data: st.DataObject, budget: int, order: str, rule_name: str) -> None:
+        """The reports owed, at most :data:`REPORTING_STEPS` steps of ``budget`` tokens each
+        reporting one part, in ``order``; a part a step's output cannot make any more (its
+        request aborted, its event reported) is passed over. Each step's picks index the
+        reports owed before it as :func:`kvoffload.vllm_target.scheduler.picked` reads them
+        (a step that sends a load of its own shifts the stores' by one: a report then picks
+        another, which the interleaving table counts as it is)."""
+        model = self.model
+        loads = sorted({e for e, _ in model.outstanding("load")})
+        stores = model.outstanding("store")
+        parts: list[tuple[str, int, int | None]]
+        if order == "drawn":
+            parts = data.draw(
+                st.permutations([("load", e, -1) for e in loads] + [("store", *r) for r in stores])
+            )
+        else:
+            # latest first, one kind before the other, a store event's workers in one output
+            first = "load" if order == "loads latest first" else "store"
+            events = [("load", e) for e in loads] + sorted({("store", e) for e, _ in stores})
+            events.reverse()
+            events.sort(key=lambda part: part[0] != first)
+            parts = [(kind, e, None) for kind, e in events]
+        for part in parts[:REPORTING_STEPS]:
+            owed = [("load", e, -1) for e in sorted({e for e, _ in model.outstanding("load")})]
+            owed += [("store", *r) for r in model.outstanding("store")]
+            picks = [i for i, report in enumerate(owed) if _matches(report, part)]
+            if picks:
+                self.run(("step", budget, False, picks), rule_name, continued=True)
+
     # Steps with every report until no request is live: a prompt computed, stored and out
     # of the GPU's way in one rule, so that repeats find it on the CPU.
     @rule(budget=st.integers(8, 32))
@@ -231,6 +322,12 @@ class SchedulerMachine(LockstepMachine):
             self.run(("reset_prefix_cache", reset_connector, True), "reset_prefix_cache")
         else:
             self.run(("reset_prefix_cache", reset_connector), "reset_prefix_cache")
+
+
+def _matches(report: tuple[str, int, int], part: tuple[str, int, int | None]) -> bool:
+    """Whether ``report`` (kind, event, worker; -1 for a load's) is of ``part`` (a worker's
+    report, or with worker None every report of an event)."""
+    return report[:2] == part[:2] and part[2] in (None, report[2])
 
 
 def scheduler_machine(

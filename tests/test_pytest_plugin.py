@@ -66,6 +66,14 @@ def test_campaigns_run_as_tests_with_a_junit_report(tmp_path: Path) -> None:
     assert "conformance of fault:no-final-flush: DISAGREES" in failure.text
     assert "faults=['no-final-flush']" in failure.text and "saved to " in failure.text
     assert "seed: 11" in failure.text
+    # the verdict's class, as a property of each case
+    verdicts = {
+        name: {p.get("name"): p.get("value") for p in case.iter("property")}
+        for name, case in cases.items()
+    }
+    assert verdicts["kvoffload[impl]"] == {"kvoffload-verdict": "conforms"}
+    broken = verdicts["kvoffload[fault:no-final-flush]"]["kvoffload-verdict"]
+    assert broken.startswith("breaks ") and f"DISAGREES: {broken}" in failure.text
 
 
 def test_the_plugin_is_inert_without_a_target(tmp_path: Path) -> None:

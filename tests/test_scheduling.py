@@ -15,12 +15,7 @@ from kvoffload.model import OffloadConfig, OffloadModel
 from kvoffload.model.engine import VLLM_SCHEDULING, Scheduling
 from kvoffload.model.errors import ConfigError, InvalidArgumentError
 from kvoffload.testing import profiles
-from kvoffload.testing.interleavings import (
-    CLASSES,
-    WORKERS_APART,
-    WORKERS_REVERSED,
-    Interleavings,
-)
+from kvoffload.testing.interleavings import CLASSES, Interleavings
 from kvoffload.testing.machine import Recorder
 from kvoffload.testing.scheduler_lockstep import model_call
 from kvoffload.testing.scheduler_machine import run_scheduler_check, scheduler_machine
@@ -242,8 +237,10 @@ def test_the_scheduler_machines_programs_keep_the_models_invariants() -> None:
 
 def test_the_scheduler_machine_reaches_every_interleaving_in_one_program_in_twenty() -> None:
     """The interleaving table on the scheduler machine (issue 34, testing/interleavings.py):
-    its steps' outputs report some of the completions owed (the ``report_some`` rule), so
-    that the per-worker counts of vLLM's own scheduler meet every class. 150 derandomized
+    its steps' outputs report some of the completions owed (the ``report_some`` rule), or
+    hold them for a few steps and then report them latest first or in a drawn order (the
+    ``interleave`` and ``reload_interleaved`` rules), so that the per-worker counts and the
+    event order of vLLM's own scheduler meet every class. 150 derandomized
     programs of its ci stream, the model alone (the same programs drive vLLM's scheduler).
     A step's reports are read from what is owed before it and what it sent, less what is
     owed after it (in issue order within the output: loads, then stores by event and
@@ -285,9 +282,9 @@ def test_the_scheduler_machine_reaches_every_interleaving_in_one_program_in_twen
 
     run_state_machine_as_test(Counting, settings=settings(profiles.get("ci"), max_examples=150))
     table = {name: reached[name] for name in CLASSES}
-    # Measured on 2026-12-07 over 162 programs: the workers of an event apart and out of
-    # rank in one program in twenty or more, the classes across events in 0 to 10 (a step's
-    # outputs seldom hold several events owed at once). The floors of issue 34 hold for the
-    # per-worker classes; those across events have no floor here yet.
-    apart = (WORKERS_APART, WORKERS_REVERSED)
-    assert all(table[name] * 20 >= programs[0] for name in apart), (programs[0], table)
+    # Measured on 2026-12-08 over 156 programs: stores out of order 43, loads out of order
+    # 47, a load passing a store 28, a store passing a load 22, an event's workers apart 33
+    # and out of rank 26. Before the interleaving rules (report_some alone), the classes
+    # across events were reached in 0 to 10 programs of 162.
+    assert programs[0] >= 150
+    assert all(table[name] * 20 >= programs[0] for name in CLASSES), (programs[0], table)

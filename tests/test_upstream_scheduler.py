@@ -155,6 +155,46 @@ def test_the_machine_over_vllms_scheduler_conforms_and_finds_57727(
     assert "replay_or_skip" in failure.regression_test()
 
 
+def test_the_kv_events_vllms_scheduler_publishes_are_judged_on_its_own_state() -> None:
+    """vLLM's scheduler publishes the connector's kv events once a step; a step's are read
+    from its CPU map at the step before to its CPU map now (EVENT-STREAM). Evictions left
+    unannounced break the invariant (a router would still route to the evicted key); an
+    extra announcement withdrawn in the same step differs from the model with every
+    invariant holding: a change to review. Unchanged, the program conforms."""
+    script = textwrap.dedent(
+        f"""
+        import dataclasses, json
+        from kvoffload.model import OffloadConfig
+        from kvoffload.model.types import REMOVED, STORED
+        from kvoffload.testing.scheduler_lockstep import first_difference
+        from kvoffload.vllm_target.scheduler import VllmScheduler
+        config = OffloadConfig(6, 2, (4,), 4, kv_events=True)  # 2 CPU blocks: evictions
+        take = VllmScheduler.take_events
+
+        def unannounced(self):
+            return [e for e in take(self) if e.kind != REMOVED]
+
+        def withdrawn(self):
+            events = take(self)
+            stored = [e for e in events if e.kind == STORED][-1:]
+            return events + [dataclasses.replace(e, kind=REMOVED) for e in stored] + stored
+
+        for published in (take, unannounced, withdrawn):
+            VllmScheduler.take_events = published
+            print(json.dumps({{"found": first_difference(config, {CPU_HIT!r}, {VARIANT!r})}}))
+        """
+    )
+    unchanged, unannounced, withdrawn = found_in_release("0.34.0", script)
+    assert unchanged is None, unchanged
+    assert unannounced is not None and unannounced.startswith(
+        "the target breaks EVENT-STREAM at call 6 ('step', 8, True): the kv events announce "
+        "1 CPU blocks holding"
+    ), unannounced
+    assert "the model announces key" in unannounced and "removed from the CPU" in unannounced
+    assert withdrawn is not None and withdrawn.startswith("call "), withdrawn
+    assert "kv-cache events differ" in withdrawn and "breaks" not in withdrawn
+
+
 def test_the_scheduler_target_refuses_what_it_does_not_drive_yet() -> None:
     # Refused before vLLM is imported: these run without it.
     with pytest.raises(InvalidArgumentError, match="takes calls"):
