@@ -1,4 +1,6 @@
-"""The deterministic content function: the KV bytes of every token, layer and group.
+"""The deterministic content function, vectorized: the KV bytes of every token, layer and
+group, as :mod:`kvoffload.model.content` states them (rank 0; the implementation has no
+tensor-parallel ranks), computed with torch for a whole block or sequence at once.
 
 Token ``t`` of a sequence gets a 63-bit seed chained over the tokens before it, so a seed
 names a whole prefix; the ``bytes_per_token`` bytes of token ``t`` in (group, layer) are a
@@ -15,20 +17,17 @@ from collections.abc import Sequence
 
 import torch
 
-_MASK = (1 << 63) - 1
-_MUL = 0x100000001B3
-INITIAL_SEED = 0x6A09E667
+from kvoffload.model.content import INITIAL_SEED, token_seeds
 
-
-def token_seeds(tokens: Sequence[int], start: int = 0, seed: int = INITIAL_SEED) -> list[int]:
-    """Chained seeds of ``tokens`` at positions ``start...``, continuing from ``seed`` (the
-    seed of the token before ``start``); ``seeds[i]`` covers the prefix up to that token."""
-    seeds = []
-    h = seed
-    for i, token in enumerate(tokens):
-        h = ((h ^ (token + 1)) * _MUL + i + start) & _MASK
-        seeds.append(h)
-    return seeds
+__all__ = [
+    "INITIAL_SEED",
+    "checksum",
+    "checksums",
+    "layer_bytes",
+    "tensor_bytes",
+    "token_bytes",
+    "token_seeds",
+]
 
 
 def layer_bytes(

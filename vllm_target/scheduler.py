@@ -53,6 +53,7 @@ from kvoffload.model.snapshot import RequestView, Snapshot
 from kvoffload.model.types import KVEvent
 from kvoffload.vllm_target.keymap import KeyMap
 from kvoffload.vllm_target.offload import manager_snapshot, model_event
+from kvoffload.vllm_target.worker import Plan, VllmWorkers, WorkerLayout
 from kvoffload.vllm_target.world import build, keywords
 
 # What one step shows: tokens scheduled per request, then the store event with its GPU and
@@ -64,15 +65,27 @@ CALLS = ("add", "step", "abort", "reset_prefix_cache")
 
 
 def picked(
-    loads: Sequence[int], stores: Sequence[tuple[int, int]], picks: Sequence[int]
+    loads: Sequence[int],
+    stores: Sequence[tuple[int, int]],
+    picks: Sequence[int],
+    in_order: bool = False,
 ) -> tuple[list[int], list[tuple[int, int]]]:
     """The reports a step's output makes of those owed: the load events ``loads`` (each
     whole) then the (event, worker) store reports ``stores``, in that order, and ``picks``
     their indexes (one past them picks nothing, duplicates count once), so that any subset
     of the reports, in any interleaving of events and workers, is some list of picks; both
-    sides of the scheduler machine choose the same from the same reports owed."""
+    sides of the scheduler machine choose the same from the same reports owed.
+
+    ``in_order``: each worker's transfers complete in the order they were issued, as vLLM's
+    worker's streams run them, so a report picked brings every earlier one of its kind and
+    worker (every earlier load event, for loads)."""
     owed: list[tuple[int, int]] = [(e, -1) for e in loads] + list(stores)
     chosen = {owed[i] for i in picks if 0 <= i < len(owed)}
+    if in_order:
+        last: dict[int, int] = {}  # worker (-1 for loads) -> the latest event picked
+        for event, worker in chosen:
+            last[worker] = max(event, last.get(worker, event))
+        chosen = {(e, w) for e, w in owed if e <= last.get(w, -1)}
     return (
         [e for e, w in owed[: len(loads)] if (e, w) in chosen],
         [r for r in owed[len(loads) :] if r in chosen],
@@ -98,7 +111,12 @@ class VllmScheduler:
     default, True: a waiting request is admitted only if its whole sequence fits the free
     blocks)."""
 
-    def __init__(self, config: OffloadConfig, whole_sequence_admission: bool = True) -> None:
+    def __init__(
+        self,
+        config: OffloadConfig,
+        whole_sequence_admission: bool = True,
+        workers: WorkerLayout | None = None,
+    ) -> None:
         why = unsupported(config)
         if why is not None:
             raise InvalidArgumentError(why)
@@ -143,6 +161,9 @@ class VllmScheduler:
         # The connector's kv-cache events as vLLM's scheduler collects them for its
         # publisher (with the GPU pool's, which the model does not publish).
         self._events: list[Any] = []
+        # vLLM's own worker on every rank (issue 33), or reports made up as the model runner's
+        self.workers = None if workers is None else VllmWorkers(config, vllm_config, workers)
+        self.tokens_of: dict[str, list[int]] = {}  # a model key's digest -> its tokens
         if config.kv_events:
             connector = self.scheduler.connector
             collect = connector.take_events
@@ -194,6 +215,7 @@ class VllmScheduler:
         from vllm.v1.simple_kv_offload.metadata import SimpleCPUOffloadWorkerMetadata
 
         scheduler = self.scheduler
+        manager = scheduler.kv_cache_manager
         scheduler.max_num_scheduled_tokens = token_budget
         output = scheduler.schedule()
         meta = output.kv_connector_metadata
@@ -214,7 +236,9 @@ class VllmScheduler:
         load_events, reports = (
             (sorted(self._unreported_loads), owed)
             if report
-            else picked(sorted(self._unreported_loads), owed, picks)
+            else picked(
+                sorted(self._unreported_loads), owed, picks, in_order=self.workers is not None
+            )
         )
         loads = sorted(r for e in load_events for r in self._unreported_loads.pop(e))
         stores: dict[int, int] = {}
@@ -223,6 +247,33 @@ class VllmScheduler:
             self._unreported_stores[event].discard(worker)
             if not self._unreported_stores[event]:
                 del self._unreported_stores[event]
+        if self.workers is not None:
+            # vLLM's own workers make the reports, the device completing what was planned
+            tables = {rid: manager.get_block_ids(rid) for rid in req_ids}
+            plan = Plan(
+                report,
+                frozenset(load_events),
+                {
+                    w: frozenset(e for e, r in reports if r == w)
+                    for w in range(self.config.world_size)
+                },
+            )
+            connector_output = self.workers.step(
+                output, scheduler.requests, tables, plan, self._holds
+            )
+        else:
+            connector_output = KVConnectorOutput(
+                # A sorted list where vLLM's executor passes a set: the manager releases
+                # the loads' CPU blocks in its iteration order, which for a set follows
+                # string hashing (docs/upstream.md); the model's is sorted.
+                finished_recving=loads,
+                # None when no store completed, as vLLM's workers report it.
+                kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(
+                    completed_store_events=stores
+                )
+                if stores
+                else None,
+            )
         scheduler.update_from_output(
             output,
             ModelRunnerOutput(
@@ -232,21 +283,15 @@ class VllmScheduler:
                     req_id_to_index={rid: i for i, rid in enumerate(req_ids)},
                     sampled_token_ids=sampled,
                 ),
-                kv_connector_output=KVConnectorOutput(
-                    # A sorted list where vLLM's executor passes a set: the manager releases
-                    # the loads' CPU blocks in its iteration order, which for a set follows
-                    # string hashing (docs/upstream.md); the model's is sorted.
-                    finished_recving=loads,
-                    # None when no store completed, as vLLM's workers report it.
-                    kv_connector_worker_meta=SimpleCPUOffloadWorkerMetadata(
-                        completed_store_events=stores
-                    )
-                    if stores
-                    else None,
-                ),
+                kv_connector_output=connector_output,
             ),
         )
         self._learn()
+        if self.workers is not None:
+            requests = scheduler.requests
+            self.workers.end_step(
+                any(rid not in requests or requests[rid].is_finished() for rid in req_ids)
+            )
         return (
             dict(output.num_scheduled_tokens),
             meta.store_event,
@@ -264,7 +309,9 @@ class VllmScheduler:
 
     def reset_prefix_cache(self, reset_connector: bool, reset_running: bool = False) -> bool:
         """vLLM's engine's reset, the connector's reset asked for or not, every running
-        request preempted first or none."""
+        request preempted first or none (with workers, once their forwards ran)."""
+        if self.workers is not None:
+            self.workers.synchronize()
         return bool(
             self.scheduler.reset_prefix_cache(
                 reset_running_requests=reset_running, reset_connector=reset_connector
@@ -303,13 +350,49 @@ class VllmScheduler:
         return manager_snapshot(self.manager, manager.block_pool, self.keys, requests)
 
     def _learn(self) -> None:
-        """Pair vLLM's hashes of every request with the model's digests of its tokens."""
+        """Pair vLLM's hashes of every request with the model's digests of its tokens (and,
+        with workers, each digest with its tokens)."""
         size = self.config.hash_block_size
         for request in self.requests.values():
             hashes = request.block_hashes
-            digests = prefix_digests(list(request.all_token_ids), size)
+            tokens = list(request.all_token_ids)
+            digests = prefix_digests(tokens, size)
             n = min(len(hashes), len(digests))
             self.keys.learn(digests[:n], hashes[:n])
+            if self.workers is not None:
+                for i, digest in enumerate(digests):
+                    self.tokens_of.setdefault(digest, tokens[: (i + 1) * size])
+
+    def _holds(self, request_id: str, table: list[list[int]]) -> bool:
+        """Whether the output of ``request_id``'s forward over ``table`` counts: it finished
+        at its length (its last token is sampled from it; the step's end runs it before its
+        freed blocks can be reused), or it still holds every group's run of those blocks
+        (not preempted, not aborted since)."""
+        request = self.requests[request_id]
+        if request.is_finished():
+            return bool(request.status.name == "FINISHED_LENGTH_CAPPED")
+        held = self.scheduler.kv_cache_manager.get_block_ids(request_id)
+        return all(list(now[: len(ids)]) == ids for now, ids in zip(held, table, strict=False))
+
+    def data_mismatches(self) -> list[str]:
+        """With vLLM's workers: the wrong KV their forwards read since the last call, then
+        every cached block of both pools whose bytes on some rank are not its key's KV."""
+        if self.workers is None:
+            return []
+        snap = self.snapshot()
+        sides = []
+        for pool in (snap.gpu, snap.cpu):
+            sides.append(
+                [
+                    (block, key.group, self.tokens_of[key.digest][: key.num_tokens])
+                    for key, ids in pool.cached
+                    for block in ids
+                    if key.digest in self.tokens_of
+                    and key.num_tokens % self.config.group_block_sizes[key.group] == 0
+                ]
+            )
+        wrong: list[str] = self.workers.served_wrong() + self.workers.mismatches(*sides)
+        return wrong
 
 
 def _table(block_ids: Sequence[Sequence[int]]) -> tuple[tuple[int, ...], ...]:
