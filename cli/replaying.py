@@ -27,7 +27,7 @@ from kvoffload.model.errors import ConfigError, SetupError
 from kvoffload.testing import isolation
 from kvoffload.testing.failure import (
     MODEL_ALONE,
-    SCHEDULER,
+    SCHEDULED,
     Failure,
     load,
     model_broke,
@@ -68,9 +68,9 @@ def plan(failure: Failure, target: str | None = None) -> Plan:
     registry such as ``impl`` or ``fault:NAME``, or a vLLM target form); a ConfigError when
     it is not here."""
     if target is not None and not is_vllm_target(target):
-        if failure.machine == SCHEDULER and target != MODEL_ALONE:
+        if failure.machine in SCHEDULED and target != MODEL_ALONE:
             raise ConfigError(
-                f"the scheduler machine's failure replays on a vLLM target or on "
+                f"the {failure.machine} machine's failure replays on a vLLM target or on "
                 f"{MODEL_ALONE!r} (the model alone), not on {target!r}"
             )
         if target == MODEL_ALONE:
@@ -187,11 +187,13 @@ def _here(failure: Failure, chosen: Plan, html: Path | None) -> str | None:
     """The failure's program on its machine, in this process."""
     from kvoffload.testing.lockstep import disagreement
 
-    if failure.machine == SCHEDULER:
+    if failure.machine in SCHEDULED:
         from kvoffload.testing.scheduler_lockstep import first_difference
 
         if html is not None:
-            raise ConfigError("--html draws the offload machine's failures, not the scheduler's")
+            raise ConfigError(
+                f"--html draws the offload machine's failures, not the {failure.machine}'s"
+            )
         assert failure.whole_sequence_admission is not None
         return first_difference(
             failure.config,
@@ -199,6 +201,7 @@ def _here(failure: Failure, chosen: Plan, html: Path | None) -> str | None:
             chosen.variant,
             failure.whole_sequence_admission,
             vllm=chosen.adapter != MODEL_ALONE,
+            workers=failure.workers,
         )
     factory = spec(chosen.adapter).build
     if html is not None:

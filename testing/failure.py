@@ -44,6 +44,7 @@ from kvoffload.model.limits import MAX_FAILURE_BYTES, MAX_PROGRAM_CALLS, brief
 from kvoffload.model.variants import VARIANTS, is_variant
 from kvoffload.testing.isolation import failures_folder
 from kvoffload.testing.targets import UnknownTargetError, spec, with_scheduler
+from kvoffload.vllm_target.worker import WorkerLayout
 
 FORMAT = 2
 FORMATS = (1, 2)  # read: 1 has no "machine" (the offload machine's)
@@ -85,8 +86,15 @@ SCHEDULER_CALLS: dict[str, tuple[str, ...]] = {
     "abort": ("str",),
     "reset_prefix_cache": ("flag", "flag?"),
 }
-OFFLOAD, SCHEDULER = "offload", "scheduler"
-MACHINES: dict[str, dict[str, tuple[str, ...]]] = {OFFLOAD: CALLS, SCHEDULER: SCHEDULER_CALLS}
+OFFLOAD, SCHEDULER, WORKER = "offload", "scheduler", "worker"
+# The worker machine is the scheduler machine with vLLM's own workers on every rank (issue 33):
+# the same calls, and the layout of the workers' KV caches.
+MACHINES: dict[str, dict[str, tuple[str, ...]]] = {
+    OFFLOAD: CALLS,
+    SCHEDULER: SCHEDULER_CALLS,
+    WORKER: SCHEDULER_CALLS,
+}
+SCHEDULED = (SCHEDULER, WORKER)  # the machines over vLLM's own scheduler
 # The scheduler machine's target when it runs the model alone, every invariant checked.
 MODEL_ALONE = "model"
 CONFIG_FIELDS = (
@@ -170,6 +178,8 @@ class Failure:
     machine: str = OFFLOAD  # the machine that found it (MACHINES)
     # the scheduler machine's: vLLM's whole-sequence admission on or off, for both sides
     whole_sequence_admission: bool | None = None
+    # the worker machine's: how the workers' KV caches are laid out
+    workers: WorkerLayout | None = None
 
     @property
     def broken_invariant(self) -> str | None:
@@ -201,23 +211,27 @@ class Failure:
     # -- the wire form ----------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "format": FORMAT,
-            "machine": self.machine,
-            "adapter": self.adapter,
-            "variant": self.variant,
-            "release": self.release,
-            "target": self.target,
-            "verdict": self.verdict,
-            "seed": self.seed,
-            "config": {name: _plain(getattr(self.config, name)) for name in CONFIG_FIELDS},
-            "program": [list(call) for call in self.program],
-            "rule_steps": self.rule_steps,
-            "disagreement": self.disagreement,
-        } | (
-            {"whole_sequence_admission": self.whole_sequence_admission}
-            if self.machine == SCHEDULER
-            else {}
+        return (
+            {
+                "format": FORMAT,
+                "machine": self.machine,
+                "adapter": self.adapter,
+                "variant": self.variant,
+                "release": self.release,
+                "target": self.target,
+                "verdict": self.verdict,
+                "seed": self.seed,
+                "config": {name: _plain(getattr(self.config, name)) for name in CONFIG_FIELDS},
+                "program": [list(call) for call in self.program],
+                "rule_steps": self.rule_steps,
+                "disagreement": self.disagreement,
+            }
+            | (
+                {"whole_sequence_admission": self.whole_sequence_admission}
+                if self.machine in SCHEDULED
+                else {}
+            )
+            | ({"workers": self.workers._asdict()} if self.workers is not None else {})
         )
 
     @property
@@ -251,10 +265,11 @@ class Failure:
 
     def _target_source(self) -> str:
         """The arguments of the replay call: the machine's, then the target's."""
-        if self.machine == SCHEDULER:
+        if self.machine in SCHEDULED:
+            workers = "" if self.workers is None else f", workers={self.workers!r}"
             return (
                 f"{self.variant!r}, whole_sequence_admission={self.whole_sequence_admission!r}, "
-                f"vllm={self.adapter != MODEL_ALONE!r}"
+                f"vllm={self.adapter != MODEL_ALONE!r}{workers}"
             )
         row = spec(self.adapter)
         if row.device is None:
@@ -263,9 +278,16 @@ class Failure:
 
     def _replay_source(self) -> tuple[str, str]:
         """The module and function that replay the program on its machine."""
-        if self.machine == SCHEDULER:
+        if self.machine in SCHEDULED:
             return "kvoffload.testing.scheduler_lockstep", "first_difference"
         return "kvoffload.testing.lockstep", "first_disagreement"
+
+    def _layout_import(self) -> str:
+        return (
+            "from kvoffload.vllm_target.worker import WorkerLayout\n"
+            if self.workers is not None
+            else ""
+        )
 
     def where(self) -> str:
         """Where the program must run: vLLM's failures with their target's code."""
@@ -291,7 +313,7 @@ class Failure:
         module, function = self._replay_source()
         return (
             self.where() + "from kvoffload.model import OffloadConfig\n"
-            f"from {module} import {function}\n\n"
+            f"from {module} import {function}\n" + self._layout_import() + "\n"
             f"config = {self._config_source()}\n"
             f"program = {self._program_source()}\n"
             f"print({function}(config, program, {self._target_source()}))\n"
@@ -320,7 +342,7 @@ class Failure:
                 "        pytest.skip(f'the target {ADAPTER} is not available here')\n"
             )
         return (
-            f"{_literal(summary + self.disagreement)}\n\n" + imports + "\n"
+            f"{_literal(summary + self.disagreement)}\n\n" + imports + self._layout_import() + "\n"
             f"ADAPTER = {self.adapter!r}\n"
             f"CONFIG = {self._config_source()}\n"
             f"PROGRAM = {self._program_source()}\n\n\n"
@@ -424,11 +446,11 @@ def _check_adapter(adapter: object, machine: str) -> str:
     vLLM's scheduler, or the model alone)."""
     _expect(isinstance(adapter, str), f"adapter must be a string, got {brief(adapter)}")
     assert isinstance(adapter, str)
-    if machine == SCHEDULER:
+    if machine in SCHEDULED:
         drivable = [MODEL_ALONE, *with_scheduler()]
         _expect(
             adapter in drivable,
-            f"the scheduler machine drives {', '.join(drivable)}, not {brief(adapter)}",
+            f"the {machine} machine drives {', '.join(drivable)}, not {brief(adapter)}",
         )
         return adapter
     try:
@@ -443,6 +465,20 @@ def _check_fields(data: dict[str, Any], allowed: set[str], required: list[str], 
     _expect(not extra, f"{what}unknown fields {brief(extra)}")
     missing = [name for name in required if name not in data]
     _expect(not missing, f"{what}missing fields {missing}")
+
+
+def _check_workers(workers: object, machine: str) -> WorkerLayout | None:
+    """The worker machine's layout of the workers' KV caches (absent for other machines)."""
+    if machine != WORKER:
+        _expect(workers is None, f"workers is for the worker machine only, got {brief(workers)}")
+        return None
+    _expect(isinstance(workers, dict), f"workers must be an object, got {brief(workers)}")
+    assert isinstance(workers, dict)
+    _check_fields(workers, set(WorkerLayout._fields), list(WorkerLayout._fields), "workers: ")
+    layout = WorkerLayout(**workers)
+    problem = layout.problem()
+    _expect(problem is None, f"workers: {problem}")
+    return layout
 
 
 def _check_config(config: object) -> OffloadConfig:
@@ -552,6 +588,7 @@ def validate(data: object) -> Failure:
     assert isinstance(data, dict)
     known = {"format", "adapter", "variant", "release", "target", "verdict", "seed", "config"}
     known |= {"program", "rule_steps", "disagreement", "machine", "whole_sequence_admission"}
+    known |= {"workers"}
     _check_fields(data, known, ["adapter", "config", "program", "disagreement"], "")
     form = data.get("format", FORMAT)
     _expect(
@@ -566,10 +603,11 @@ def validate(data: object) -> Failure:
     assert isinstance(machine, str)
     whole = data.get("whole_sequence_admission")
     _expect(
-        isinstance(whole, bool) if machine == SCHEDULER else whole is None,
-        "whole_sequence_admission must be a bool for the scheduler machine, and absent for "
-        f"the others; got {brief(whole)}",
+        isinstance(whole, bool) if machine in SCHEDULED else whole is None,
+        "whole_sequence_admission must be a bool for the scheduler and worker machines, and "
+        f"absent for the others; got {brief(whole)}",
     )
+    workers = _check_workers(data.get("workers"), machine)
     adapter = _check_adapter(data["adapter"], machine)
     variant = data.get("variant", "fixed")
     _expect(
@@ -613,6 +651,7 @@ def validate(data: object) -> Failure:
         target,
         machine,
         whole,
+        workers,
     )
     verdict = data.get("verdict", failure.verdict)
     _expect(

@@ -28,6 +28,7 @@ from kvoffload.testing.lockstep import (
     classified,
     describe_difference,
     model_broke_at,
+    target_broke_at,
 )
 from kvoffload.testing.targets import spec
 from kvoffload.testing.words import (
@@ -38,6 +39,7 @@ from kvoffload.testing.words import (
     result_words,
 )
 from kvoffload.vllm_target.scheduler import CALLS, StepView, VllmScheduler, picked
+from kvoffload.vllm_target.worker import WorkerLayout
 
 TARGET = "vLLM's scheduler"  # how a difference in words names the target
 EVENT_FORMS = frozenset({"EVENT-STREAM"})  # the forms that judge a step's published events
@@ -52,17 +54,35 @@ _PUBLISHED: weakref.WeakKeyDictionary[VllmScheduler, Snapshot] = weakref.WeakKey
 
 
 def model_step(
-    model: OffloadModel, token_budget: int, report: bool = True, picks: Sequence[int] = ()
+    model: OffloadModel,
+    token_budget: int,
+    report: bool = True,
+    picks: Sequence[int] = (),
+    in_order: bool = False,
 ) -> StepView:
     """The model's step, and with ``report`` every completion owed reported by every
     worker, else the reports ``picks`` chooses, seen as :meth:`VllmScheduler.step` shows
-    vLLM's."""
+    vLLM's. ``in_order`` (vLLM's own workers, issue 33): a worker's transfers of a kind
+    complete in the order they were issued, so a report picked brings every earlier one
+    (:func:`~kvoffload.vllm_target.scheduler.picked`), and a step whose output preempts a
+    request (one the step preempted, or a reset since the last step) has every worker
+    finish the transfers issued before it first (vLLM's ``need_flush``: the preempted
+    blocks may be reused at once)."""
+    before = {kind: model.outstanding(kind) for kind in ("load", "store")} if in_order else None
+    preempting = bool(model.engine.reset_preempted)
     result = model.step(token_budget)
     if report:
         model.complete_all()
-    elif picks:
+    elif picks or before is not None:
         loads = sorted({event for event, _ in model.outstanding("load")})
-        model._report(*picked(loads, model.outstanding("store"), picks))
+        chosen = picked(loads, model.outstanding("store"), picks, in_order)
+        if before is not None and (preempting or result.preempted):
+            chosen = (
+                sorted(set(chosen[0]) | {event for event, _ in before["load"]}),
+                sorted(set(chosen[1]) | set(before["store"])),
+            )
+        if chosen[0] or chosen[1]:
+            model._report(*chosen)
     meta = result.metadata
     return (
         {rid: end - start for rid, (start, end) in result.scheduled.items()},
@@ -75,14 +95,16 @@ def model_step(
     )
 
 
-def model_call(model: OffloadModel, call: Call) -> object:
-    """``call`` on the model; its result as :func:`vllm_call` gives vLLM's."""
+def model_call(model: OffloadModel, call: Call, in_order: bool = False) -> object:
+    """``call`` on the model; its result as :func:`vllm_call` gives vLLM's (``in_order``:
+    beside vLLM's own workers, :func:`model_step`)."""
     name, *args = call
     if name == "add":
         model.add_request(*args)
         return None
     if name == "step":
-        return model_step(model, *args)
+        budget, report, *picks = args
+        return model_step(model, budget, report, picks[0] if picks else (), in_order)
     if name == "abort":
         model.finish(args[0])
         return None
@@ -156,7 +178,7 @@ def compare_call(
     if model.config.kv_events and target not in _PUBLISHED:
         _PUBLISHED[target] = target.snapshot()  # (nothing published yet)
     try:
-        expected: object = model_call(model, call)
+        expected: object = model_call(model, call, in_order=target.workers is not None)
     except InvariantViolation as broken:
         # the specification itself is wrong on this program (as lockstep.compare says it)
         return model_broke_at(broken, call, n)
@@ -176,6 +198,8 @@ def compare_call(
         raised = f"{head}: vLLM's scheduler's snapshot raised {as_outcome(error)}"
         return (returned if results else raised) + in_words(results)
     before = _AGREED.get(target)
+    # vLLM's own workers (issue 33): the KV their forwards read and every cached block's bytes
+    wrong = target.data_mismatches()
     if results:
         found = returned
     elif mine != theirs:
@@ -184,10 +208,21 @@ def compare_call(
             describe_difference(f, getattr(mine, f), getattr(theirs, f)) for f in fields
         )
         found = f"{head}: snapshots differ in {fields}: {details}"
+    elif wrong:
+        found = f"{head}: the KV bytes differ: {wrong[0]}"
     else:
         _AGREED[target] = theirs
         return _compare_events(model, target, call, n, theirs, model_events)
-    found += in_words(results + difference_words(None, None, mine, theirs, None, TARGET))
+    found += in_words(
+        results
+        + difference_words(None, None, mine, theirs, None, TARGET)
+        + [f"in {TARGET}'s workers, {w}" for w in wrong[:1]]
+    )
+    if wrong:
+        # Wrong KV bytes are a bug whatever the model decided (the contract KV-BYTES, judged
+        # on the workers' own blocks and forwards against each key's content).
+        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+        return target_broke_at(InvariantViolation("KV-BYTES", wrong[0] + more), call, n, found)
     # The class of the difference (issue 34), judged on vLLM's scheduler's own state. Its kv
     # events are judged only where the snapshots agree (_compare_events): vLLM publishes
     # those of the calls between two steps at the second, so no call's events go with its
@@ -226,11 +261,11 @@ def _compare_events(
     return classified(model, found, judged, model_snapshot(model), None, n, EVENT_FORMS)
 
 
-def invariant_broken(model: OffloadModel, call: Call, n: int) -> str | None:
+def invariant_broken(model: OffloadModel, call: Call, n: int, in_order: bool = False) -> str | None:
     """Call ``n`` on the model alone: the invariant it breaks, or None."""
     require_call(call)
     try:
-        model_call(model, call)
+        model_call(model, call, in_order)
     except InvariantViolation as broken:
         return model_broke_at(broken, call, n)
     return None
@@ -242,12 +277,14 @@ def first_difference(
     variant: str | None = None,
     whole_sequence_admission: bool = True,
     vllm: bool = True,
+    workers: WorkerLayout | None = None,
 ) -> str | None:
     """Run ``program`` on vLLM's scheduler and on ``variant`` of the model (default: the
     running release's, as the release table names it), both admitting as
     ``whole_sequence_admission`` says (``model_admission`` of the model may differ: see
     :func:`first_difference_between`); the first difference, or None. Without ``vllm``,
-    the model alone with every invariant checked: the first it breaks, or None."""
+    the model alone with every invariant checked: the first it breaks, or None. With
+    ``workers``, vLLM's own worker on every rank, its KV laid out as they say."""
     if not vllm:
         for call in program:
             require_call(call)
@@ -259,12 +296,12 @@ def first_difference(
             scheduling=scheduling(whole_sequence_admission),
         )
         for n, call in enumerate(program):
-            found = invariant_broken(model, call, n)
+            found = invariant_broken(model, call, n, in_order=workers is not None)
             if found:
                 return found
         return None
     return first_difference_between(
-        config, program, variant, whole_sequence_admission, whole_sequence_admission
+        config, program, variant, whole_sequence_admission, whole_sequence_admission, workers
     )
 
 
@@ -274,11 +311,12 @@ def first_difference_between(
     variant: str | None,
     vllm_admission: bool,
     model_admission: bool,
+    workers: WorkerLayout | None = None,
 ) -> str | None:
     """:func:`first_difference` with vLLM's admission and the model's set apart."""
     for call in program:
         require_call(call)
-    target = VllmScheduler(config, vllm_admission)
+    target = VllmScheduler(config, vllm_admission, workers)
     compared_with = variant or spec("vllm").variant()
     model = OffloadModel(
         config,

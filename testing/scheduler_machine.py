@@ -41,7 +41,7 @@ from kvoffload.model.types import KVEvent
 from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing import reduce
 from kvoffload.testing.campaign import campaign_batch, check_record
-from kvoffload.testing.failure import MODEL_ALONE, SCHEDULER, Failure
+from kvoffload.testing.failure import MODEL_ALONE, SCHEDULER, WORKER, Failure
 from kvoffload.testing.lockstep import Call, as_outcome
 from kvoffload.testing.machine import LockstepMachine, Recorder, run_machine_campaign
 from kvoffload.testing.scheduler_lockstep import (
@@ -52,6 +52,8 @@ from kvoffload.testing.scheduler_lockstep import (
 )
 from kvoffload.testing.stateful import KIND_ORDERS, ORDERS, PROMPTS, SKIP_READING, TAILS
 from kvoffload.testing.targets import TargetSpec, spec
+from kvoffload.vllm_target.worker import LAYOUTS as LAYOUT_NAMES
+from kvoffload.vllm_target.worker import WorkerLayout, layouts_for
 
 # Full-attention groups: one of blocks of 4 or 8 (vLLM's one-group coordinator hashes whole
 # blocks only), or two of 4 and 8 tokens hashed in blocks of 4 (the hybrid coordinator: keys
@@ -70,14 +72,13 @@ HELD_STEPS, INTERLEAVE_BUDGETS = st.integers(2, 3), st.integers(4, 16)
 REPORTING_STEPS = 6
 
 
-class SchedulerMachine(LockstepMachine):
-    """Subclass with ``variant`` and ``recorder`` set, or use :func:`scheduler_machine`."""
-
-    # the registry's row of the target whose scheduler it drives; None: the model alone,
-    # every invariant checked
-    target_spec: ClassVar[TargetSpec | None]
-
-    @initialize(
+def setup_rule(
+    **extra: st.SearchStrategy[Any],
+) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """The rule that draws the configuration at the start of a program (the worker machine
+    adds its layout, drawn after the rest: the scheduler machine's stream stays)."""
+    # (``extra`` cannot name initialize's own ``target``: mypy cannot tell)
+    rule: Callable[[Callable[..., None]], Callable[..., None]] = initialize(  # type: ignore[call-overload]
         layout=st.sampled_from(LAYOUTS),
         gpu_blocks=st.integers(4, 10),
         cpu_blocks=st.one_of(st.integers(2, 4), st.integers(12, 32)),
@@ -86,7 +87,33 @@ class SchedulerMachine(LockstepMachine):
         kv_events=st.integers(0, 2).map(lambda n: n == 2),
         whole=st.booleans(),
         first=PROMPTS,
+        **extra,
     )
+    return rule
+
+
+# The layouts of the workers' KV caches: one to three layers a group, one or two heads, any
+# physical layout (mapped to one vLLM's planner takes for the groups drawn).
+WORKER_LAYOUTS = st.builds(
+    WorkerLayout,
+    layers=st.integers(1, 3),
+    heads=st.integers(1, 2),
+    head_size=st.sampled_from((4, 2)),
+    layout=st.sampled_from(LAYOUT_NAMES),
+)
+
+
+class SchedulerMachine(LockstepMachine):
+    """Subclass with ``variant`` and ``recorder`` set, or use :func:`scheduler_machine`."""
+
+    # the registry's row of the target whose scheduler it drives; None: the model alone,
+    # every invariant checked
+    target_spec: ClassVar[TargetSpec | None]
+    # the worker machine (issue 33): vLLM's own workers on every rank, their KV caches laid
+    # out as a drawn layout says
+    worker_machine: ClassVar[bool] = False
+
+    @setup_rule()
     def setup(
         self,
         layout: tuple[tuple[int, ...], int],
@@ -98,6 +125,22 @@ class SchedulerMachine(LockstepMachine):
         whole: bool,
         first: list[int],
     ) -> None:
+        self.begin_program(
+            layout, gpu_blocks, cpu_blocks, world_size, lazy, kv_events, whole, first, None
+        )
+
+    def begin_program(
+        self,
+        layout: tuple[tuple[int, ...], int],
+        gpu_blocks: int,
+        cpu_blocks: int,
+        world_size: int,
+        lazy: bool,
+        kv_events: bool,
+        whole: bool,
+        first: list[int],
+        workers: WorkerLayout | None,
+    ) -> None:
         started = time.perf_counter()
         sizes, hbs = layout
         gpu_blocks *= len(sizes)  # a block per group and position
@@ -105,6 +148,13 @@ class SchedulerMachine(LockstepMachine):
             gpu_blocks, cpu_blocks, sizes, hbs, world_size, lazy, kv_events=kv_events
         )
         self.whole = whole
+        if workers is not None and workers.layout not in layouts_for(config):
+            # (a layout vLLM's planner refuses for these groups: the one it takes in its place)
+            allowed = layouts_for(config)
+            workers = workers._replace(
+                layout=allowed[LAYOUT_NAMES.index(workers.layout) % len(allowed)]
+            )
+        self.workers = workers
         variant = type(self).variant
         self.model = OffloadModel(
             config,
@@ -117,7 +167,11 @@ class SchedulerMachine(LockstepMachine):
         try:
             if row is not None:
                 assert row.scheduler is not None
-                self.target = row.scheduler(config, whole)
+                self.target = (
+                    row.scheduler(config, whole, self.workers)
+                    if self.workers is not None
+                    else row.scheduler(config, whole)
+                )
         except Exception as error:
             raise SetupError(
                 f"vLLM's scheduler cannot be built for {config}: {as_outcome(error)}"
@@ -128,7 +182,7 @@ class SchedulerMachine(LockstepMachine):
 
     def check(self, call: Call, n: int) -> str | None:
         if self.target is None:
-            return invariant_broken(self.model, call, n)
+            return invariant_broken(self.model, call, n, in_order=self.workers is not None)
         return compare_call(self.model, self.target, call, n, self.model_events)
 
     def failure(self, found: str) -> Failure:
@@ -142,8 +196,9 @@ class SchedulerMachine(LockstepMachine):
             found,
             release=None if row is None else row.release(),
             target=None if row is None else row.identity(),
-            machine=SCHEDULER,
+            machine=SCHEDULER if self.workers is None else WORKER,
             whole_sequence_admission=self.whole,
+            workers=self.workers,
         )
 
     def admit(
@@ -330,20 +385,50 @@ def _matches(report: tuple[str, int, int], part: tuple[str, int, int | None]) ->
     return report[:2] == part[:2] and part[2] in (None, report[2])
 
 
+class WorkerMachine(SchedulerMachine):
+    """The worker machine (issue 33): the scheduler machine's programs with vLLM's own
+    workers on every rank, their KV caches laid out as a drawn layout says."""
+
+    worker_machine = True
+
+    @setup_rule(workers=WORKER_LAYOUTS)
+    def setup(
+        self,
+        layout: tuple[tuple[int, ...], int],
+        gpu_blocks: int,
+        cpu_blocks: int,
+        world_size: int,
+        lazy: bool,
+        kv_events: bool,
+        whole: bool,
+        first: list[int],
+        workers: WorkerLayout,
+    ) -> None:
+        self.begin_program(
+            layout, gpu_blocks, cpu_blocks, world_size, lazy, kv_events, whole, first, workers
+        )
+
+
 def scheduler_machine(
-    variant: str, recorder: Recorder, vllm: bool = True, target: str = "vllm"
+    variant: str,
+    recorder: Recorder,
+    vllm: bool = True,
+    target: str = "vllm",
+    workers: bool = False,
 ) -> type[SchedulerMachine]:
     """The machine over ``target``'s scheduler (a row of the registry with one), or without
-    ``vllm`` over the model alone, compared with (or held to) ``variant``."""
+    ``vllm`` over the model alone, compared with (or held to) ``variant``; with ``workers``
+    the worker machine: vLLM's own workers on every rank beside it."""
     if not vllm and not keeps_invariants(variant):
         raise ValueError(f"the model alone is checked by its invariants, which {variant} breaks")
     row = spec(target) if vllm else None
     if row is not None and row.scheduler is None:
         raise ConfigError(f"the target {target!r} has no scheduler for the scheduler machine")
     # The class name seeds a derandomized run (as the offload machine's, machine_for).
+    name = "VllmSchedulerMachine" if vllm else "SchedulingMachine"
     return type(
-        "VllmSchedulerMachine" if vllm else "SchedulingMachine",
-        (SchedulerMachine,),
+        "VllmWorkerMachine" if workers else name,
+        (WorkerMachine if workers else SchedulerMachine,),
         {"variant": variant, "recorder": recorder, "target_spec": row},
     )
 
@@ -355,7 +440,9 @@ def reduced(failure: Failure) -> Failure:
     whole, vllm = failure.whole_sequence_admission, failure.adapter != MODEL_ALONE
 
     def disagrees(config: OffloadConfig) -> Callable[[list[Call]], str | None]:
-        return lambda calls: first_difference(config, calls, failure.variant, whole, vllm)
+        return lambda calls: first_difference(
+            config, calls, failure.variant, whole, vllm, failure.workers
+        )
 
     return reduce.reduced(failure, disagrees)
 
@@ -366,6 +453,7 @@ def run_scheduler_check(
     seconds: float | None,
     seed: int | None = None,
     vllm: bool = True,
+    workers: bool = False,
 ) -> dict[str, Any]:
     """The machine over vLLM's scheduler against ``variant`` of the model, for ``profile``'s
     examples (a quarter of them: a program here costs about four of the offload target's),
@@ -373,10 +461,11 @@ def run_scheduler_check(
     failure reduced and saved as the offload machine's are; the result as
     :func:`kvoffload.testing.campaign.check_record` reports one. ``vllm=False``: the model
     alone, held to its invariants."""
-    machine = scheduler_machine(variant, Recorder(), vllm)
-    examples = max(1, profile.max_examples // 4)
+    machine = scheduler_machine(variant, Recorder(), vllm, workers=workers)
+    # (a worker machine's program costs several of the scheduler machine's)
+    examples = max(1, profile.max_examples // (16 if workers else 4))
     batch = campaign_batch(settings(profile, max_examples=examples), seconds, profile.database)
     result = run_machine_campaign(
         machine, "vllm" if vllm else MODEL_ALONE, batch, reduced, seconds, seed
     )
-    return check_record(result, variant, SCHEDULER)
+    return check_record(result, variant, WORKER if workers else SCHEDULER)

@@ -96,9 +96,9 @@ class TargetSpec:
     # reproducer builds it; None for any other target (rebuilt from the registry by name)
     device: str | None = None
     # vLLM's own Scheduler with the connector, as the scheduler machine drives it, built
-    # from a configuration and whether admission reserves the whole sequence; None when
-    # the target has no scheduler of its own
-    scheduler: Callable[[OffloadConfig, bool], Any] | None = None
+    # from a configuration, whether admission reserves the whole sequence and (the worker
+    # machine's) the layout of vLLM's own workers; None when the target has no scheduler
+    scheduler: Callable[..., Any] | None = None
     # the vLLM release and the exact target it runs, as failures record them
     release: Callable[[], str | None] = _nothing
     identity: Callable[[], dict[str, str] | None] = _nothing
@@ -133,10 +133,12 @@ def _vllm(config: OffloadConfig) -> Target:
     return VllmOffload(config)
 
 
-def _vllm_scheduler(config: OffloadConfig, whole_sequence_admission: bool) -> Any:
+def _vllm_scheduler(
+    config: OffloadConfig, whole_sequence_admission: bool, workers: Any = None
+) -> Any:
     from kvoffload.vllm_target.scheduler import VllmScheduler
 
-    return VllmScheduler(config, whole_sequence_admission)
+    return VllmScheduler(config, whole_sequence_admission, workers)
 
 
 def _no_vllm() -> str | None:

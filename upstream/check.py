@@ -103,7 +103,9 @@ def check_release(
         broken += (
             result["disagreement"] is not None and model_broke(result["disagreement"]) is not None
         )
-        on = " (vLLM's scheduler)" if check.machine == "scheduler" else ""
+        on = {"scheduler": " (vLLM's scheduler)", "worker": " (vLLM's worker)"}.get(
+            check.machine, ""
+        )
         print(f"{parsed.label}{on} vs {check.variant}: {verdict or 'as expected'} ({check.why})")
         verdicts.append(asdict(check) | {"judgement": verdict or "as expected"} | result)
     # A model that breaks its own invariant is no verdict on vLLM: a bug of the specification
@@ -279,7 +281,7 @@ def run_checks(
     results = []
     for check in checks:
         print(f"\n== vllm {version} vs the model variant {check.variant}: {check.why}")
-        if check.machine == "scheduler":
+        if check.machine in ("scheduler", "worker"):
             results.append(scheduler_check(check, profile, seconds, seed, version))
             continue
         # A random profile's example database (none under ci) replays this check's
@@ -301,13 +303,16 @@ def run_checks(
 def scheduler_check(
     check: Check, profile: Any, seconds: float | None, seed: int | None, version: str
 ) -> dict[str, Any]:
-    """``check`` on the machine over vLLM's own scheduler, its verdict printed."""
+    """``check`` on the machine over vLLM's own scheduler (with its workers, for the worker
+    machine), its verdict printed."""
     from kvoffload.testing.scheduler_machine import run_scheduler_check
 
-    result = run_scheduler_check(check.variant, profile, seconds, seed)
+    workers = check.machine == "worker"
+    result = run_scheduler_check(check.variant, profile, seconds, seed, workers=workers)
     verdict = "conforms" if result["conforms"] else f"disagrees: {result['disagreement']}"
     print(
-        f"vLLM's scheduler (with {running_target(version)}): {verdict} "
+        f"vLLM's {'worker' if workers else 'scheduler'} (with {running_target(version)}): "
+        f"{verdict} "
         f"({result['programs']} programs, {result['driver_calls']} calls, "
         f"{result['seconds']} s)"
     )

@@ -21,7 +21,8 @@ class Check:
     finds: str | None = None
     # "offload": the conformance machine over vLLM's offload code, the model's engine
     # scheduling; "scheduler": the machine over vLLM's own scheduler and connector
-    # (kvoffload.testing.scheduler_machine)
+    # (kvoffload.testing.scheduler_machine); "worker": the same with vLLM's own worker on
+    # every rank, its DMA on an emulated device and its KV bytes checked (issue 33)
     machine: str = "offload"
 
 
@@ -154,6 +155,15 @@ RELEASES = {
                     "vLLM's own scheduler: the prefix-cache reset of #57727 against the model's",
                     finds="reset_prefix_cache",
                     machine="scheduler",
+                ),
+                # vLLM's own SimpleCPUOffloadWorker on every rank beside that scheduler, its
+                # copies on an emulated device, every block's bytes checked (issue 33).
+                Check(
+                    "inclusive-cpu+window-stale-ids+reset-gpu-only",
+                    "conform",
+                    "vLLM's own worker on every rank: the same model, its transfers "
+                    "completing in issue order per worker, every KV byte checked",
+                    machine="worker",
                 ),
             ),
         ),

@@ -227,6 +227,9 @@ class VllmScheduler:
             request = scheduler.requests[rid]
             done = request.num_computed_tokens >= request.num_tokens
             sampled.append([greedy_token(list(request.all_token_ids))] if done else [])
+        # (the reports owed from earlier steps: a preempting step's flush completes them)
+        earlier_loads = sorted(self._unreported_loads)
+        earlier_stores = [(e, w) for e, ws in self._unreported_stores.items() for w in ws]
         if meta.store_event >= 0:
             self._unreported_stores[meta.store_event] = set(range(self.config.world_size))
         if meta.load_event >= 0:
@@ -240,6 +243,16 @@ class VllmScheduler:
                 sorted(self._unreported_loads), owed, picks, in_order=self.workers is not None
             )
         )
+        # (what the device completes: the flush of a preempting step is the worker's own)
+        plan = Plan(
+            report,
+            frozenset(load_events),
+            {w: frozenset(e for e, r in reports if r == w) for w in range(self.config.world_size)},
+        )
+        if self.workers is not None and meta.need_flush and not report:
+            # vLLM's worker synchronizes every transfer it launched before a preempting step
+            load_events = sorted(set(load_events) | set(earlier_loads))
+            reports = sorted(set(reports) | set(earlier_stores))
         loads = sorted(r for e in load_events for r in self._unreported_loads.pop(e))
         stores: dict[int, int] = {}
         for event, worker in sorted(reports):
@@ -250,17 +263,18 @@ class VllmScheduler:
         if self.workers is not None:
             # vLLM's own workers make the reports, the device completing what was planned
             tables = {rid: manager.get_block_ids(rid) for rid in req_ids}
-            plan = Plan(
-                report,
-                frozenset(load_events),
-                {
-                    w: frozenset(e for e, r in reports if r == w)
-                    for w in range(self.config.world_size)
-                },
-            )
-            connector_output = self.workers.step(
-                output, scheduler.requests, tables, plan, self._holds
-            )
+            connector_output = self.workers.step(output, scheduler.requests, tables, plan)
+            if connector_output is not None:
+                # In the order the model takes them (docs/upstream.md): the aggregator's set of
+                # loaded requests iterates in string-hash order, and a worker reports the
+                # store events it found complete in its pending set's order (ints by their
+                # hash modulo the table: 8 before 7), an order of no meaning.
+                if connector_output.finished_recving:
+                    connector_output.finished_recving = sorted(connector_output.finished_recving)
+                reported = connector_output.kv_connector_worker_meta
+                if reported is not None:
+                    events = reported.completed_store_events
+                    reported.completed_store_events = dict(sorted(events.items()))
         else:
             connector_output = KVConnectorOutput(
                 # A sorted list where vLLM's executor passes a set: the manager releases
@@ -288,10 +302,7 @@ class VllmScheduler:
         )
         self._learn()
         if self.workers is not None:
-            requests = scheduler.requests
-            self.workers.end_step(
-                any(rid not in requests or requests[rid].is_finished() for rid in req_ids)
-            )
+            self.workers.end_step()
         return (
             dict(output.num_scheduled_tokens),
             meta.store_event,
@@ -309,9 +320,7 @@ class VllmScheduler:
 
     def reset_prefix_cache(self, reset_connector: bool, reset_running: bool = False) -> bool:
         """vLLM's engine's reset, the connector's reset asked for or not, every running
-        request preempted first or none (with workers, once their forwards ran)."""
-        if self.workers is not None:
-            self.workers.synchronize()
+        request preempted first or none."""
         return bool(
             self.scheduler.reset_prefix_cache(
                 reset_running_requests=reset_running, reset_connector=reset_connector
@@ -362,17 +371,6 @@ class VllmScheduler:
             if self.workers is not None:
                 for i, digest in enumerate(digests):
                     self.tokens_of.setdefault(digest, tokens[: (i + 1) * size])
-
-    def _holds(self, request_id: str, table: list[list[int]]) -> bool:
-        """Whether the output of ``request_id``'s forward over ``table`` counts: it finished
-        at its length (its last token is sampled from it; the step's end runs it before its
-        freed blocks can be reused), or it still holds every group's run of those blocks
-        (not preempted, not aborted since)."""
-        request = self.requests[request_id]
-        if request.is_finished():
-            return bool(request.status.name == "FINISHED_LENGTH_CAPPED")
-        held = self.scheduler.kv_cache_manager.get_block_ids(request_id)
-        return all(list(now[: len(ids)]) == ids for now, ids in zip(held, table, strict=False))
 
     def data_mismatches(self) -> list[str]:
         """With vLLM's workers: the wrong KV their forwards read since the last call, then

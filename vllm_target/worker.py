@@ -33,10 +33,11 @@ run with its device current and its connector the process's connector agent.
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import functools
 import types
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -56,6 +57,14 @@ from kvoffload.vllm_target.device import (
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM's KVCacheLayout
 
 
+# The layouts vLLM's planner takes for groups of several page sizes (blocks of another token
+# count): block-outer and block-compact ones only ("cannot express this model's mixed page
+# sizes", from its validate_kv_cache_layout).
+MIXED_PAGE_LAYOUTS = ("BLHNC", "BLNHC")
+# The bounds of a layout (a failure file or an argument can ask for no more)
+MAX_LAYERS, MAX_HEADS, MAX_HEAD_SIZE = 4, 4, 64
+
+
 class WorkerLayout(NamedTuple):
     """How each rank's KV caches are laid out: layers per KV group, KV heads per layer,
     head size (fp16 elements), and vLLM's physical layout by name (layer- or block-outer,
@@ -65,6 +74,24 @@ class WorkerLayout(NamedTuple):
     heads: int = 1
     head_size: int = 4
     layout: str = "LBHNC"
+
+    def problem(self) -> str | None:
+        """What is wrong with this layout, or None."""
+        for name, value, most in (
+            ("layers", self.layers, MAX_LAYERS),
+            ("heads", self.heads, MAX_HEADS),
+            ("head_size", self.head_size, MAX_HEAD_SIZE),
+        ):
+            if type(value) is not int or not 1 <= value <= most:
+                return f"{name} must be an int from 1 to {most}, got {value!r}"
+        if self.layout not in LAYOUTS:
+            return f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}"
+        return None
+
+
+def layouts_for(config: OffloadConfig) -> tuple[str, ...]:
+    """The layouts vLLM's planner lays ``config``'s groups out in."""
+    return MIXED_PAGE_LAYOUTS if len(set(config.group_block_sizes)) > 1 else LAYOUTS
 
 
 @dataclass(frozen=True)
@@ -101,7 +128,6 @@ class Rank:
     caches: dict[str, Any]  # layer name -> the runner's view
     # per group, per layer, per position in a block: where it lives
     slots: list[list[list[_Slot]]]
-    lagging: int = 0  # the compute stream's work queued before the step under way
 
     @property
     def handler(self) -> Any:
@@ -131,8 +157,8 @@ class VllmWorkers:
     ``layout`` says, beside the scheduler whose ``vllm_config`` it shares."""
 
     def __init__(self, config: OffloadConfig, vllm_config: Any, layout: WorkerLayout) -> None:
-        if layout.layout not in LAYOUTS:
-            raise InvalidArgumentError(f"unknown KV cache layout {layout.layout!r}: {LAYOUTS}")
+        if (problem := layout.problem()) is not None:
+            raise InvalidArgumentError(f"bad worker layout: {problem}")
         import torch
         from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -150,7 +176,6 @@ class VllmWorkers:
         self.host = Host()
         activate(self.host)
         self.plan = Plan()
-        self.holds: Callable[[str, list[list[int]]], bool] = lambda rid, table: True
         self._wrong: list[str] = []
         cache = vllm_config.cache_config
         cache.kv_cache_layout = layout.layout
@@ -210,24 +235,19 @@ class VllmWorkers:
         requests: Mapping[str, Any],
         tables: Mapping[str, Sequence[Sequence[int]]],
         plan: Plan,
-        holds: Callable[[str, list[list[int]]], bool],
     ) -> Any:
         """Every rank's part of the step vLLM's scheduler scheduled (``output``): the
         connector's calls in the model runner's order around the emulated forward of the
         ``requests`` it computes over their block ``tables`` (as scheduled), the device
-        progressing as ``plan`` says; the ranks' connector outputs, aggregated. ``holds``
-        tells, when a forward runs, whether its request still holds the blocks it read (a
-        forward whose request was preempted or aborted since has its output discarded)."""
+        progressing as ``plan`` says; the ranks' connector outputs, aggregated."""
         from vllm.v1.outputs import ModelRunnerOutput
 
         activate(self.host)
-        self.plan, self.holds = plan, holds
+        self.plan = plan
         outputs = []
         for rank in self.ranks:
             rank.device.make_current()
             self._as_agent(rank.connector)
-            # (the compute queued before this step: the forwards the device may still run)
-            rank.lagging = rank.device.current_stream.issued
             if output.total_num_scheduled_tokens == 0:
                 outputs.append(rank.glue.no_forward(output))
             else:
@@ -241,21 +261,20 @@ class VllmWorkers:
                 rank.glue.finish_forward()
                 connector_output = rank.glue.post_forward(output.finished_req_ids)
                 outputs.append(ModelRunnerOutput.with_kv_conn_output_only(connector_output))
-        merged = self.aggregator.aggregate(outputs)
+        # Each rank's output reaches vLLM's executor as a copy (over IPC from the worker's
+        # process): the aggregator writes its result into rank 0's, which here could be the
+        # model runner's shared EMPTY_MODEL_RUNNER_OUTPUT (an empty connector output) and
+        # would carry this step's reports into every later step's.
+        merged = self.aggregator.aggregate([copy.deepcopy(o) for o in outputs])
         return None if merged is None else merged.kv_connector_output
 
-    def end_step(self, synchronize: bool) -> None:
-        """The step's output taken: the device has run the forwards before this step's (it
-        runs one step behind the host, as under vLLM's asynchronous scheduling), or, with
-        ``synchronize`` (a request it computed finished, its blocks freed: vLLM takes a
-        step's output after its forward ran), every forward."""
+    def end_step(self) -> None:
+        """The step's output taken: the host read the forward's sampled tokens, so every
+        forward has run (vLLM's engine schedules the next step after it takes this one's
+        output; the copy streams are not waited for, and keep what they have queued)."""
         for rank in self.ranks:
             compute = rank.device.current_stream
-            rank.device.run_until(compute, compute.issued if synchronize else rank.lagging)
-
-    def synchronize(self) -> None:
-        """Every forward run (the host waits for the device: a reset of the prefix cache)."""
-        self.end_step(True)
+            rank.device.run_until(compute, compute.issued)
 
     def served_wrong(self) -> list[str]:
         """The wrong KV the forwards read since the last call (then forgotten)."""
@@ -298,10 +317,7 @@ class VllmWorkers:
         end: int,
         table: list[list[int]],
     ) -> None:
-        """The forward of one request, when the compute stream runs it: it reads what the
-        blocks hold now and writes them, whoever holds them now; what it read counts only
-        if its request still holds them (else its output is discarded)."""
-        counts = self.holds(rid, table)
+        """The forward of one request, when the compute stream runs it."""
         for group, ids in enumerate(table):
             size = self.config.group_block_sizes[group]
             for layer, by_position in enumerate(rank.slots[group]):
@@ -313,13 +329,13 @@ class VllmWorkers:
                     want = _token(seeds[pos], group, layer, slot, rank.rank)
                     if pos >= start:
                         _write(slot, block, want)
-                    elif counts and _read(slot, block) != want:
+                    elif _read(slot, block) != want:
                         self._wrong.append(
                             f"worker {rank.rank}: the forward of {rid} reads position {pos} "
                             f"of group {group} layer {layer} in GPU block {block}, which does "
                             "not hold its KV"
                         )
-                        counts = False  # (one finding a forward; its writes still land)
+                        return
 
     # -- the bytes at rest ------------------------------------------------------------------
 
