@@ -1,16 +1,18 @@
 """The emulated CUDA device (kvoffload.vllm_target.device) against the semantics CUDA documents
 for each call vLLM's offload worker makes: streams, events, the current stream,
 cuMemcpyBatchAsync with its source access orders, host registration, and the worker thread
-the host runs when told. Calls go through the same doors vLLM's code uses (torch.cuda.Stream,
+the host runs when told. Calls go through the same doors vLLM's code uses (CUDA.Stream,
 torch.Event, torch.cuda.cudart(), the driver's cuGetProcAddress, a ctypes function pointer)."""
 
 from __future__ import annotations
 
 import ctypes
+import importlib
 import queue
 import threading
 import types
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -31,6 +33,10 @@ from kvoffload.vllm_target.device import (
     installed,
 )
 
+# torch's doors, typed as what the emulation puts there
+CUDA: Any = torch.cuda
+TORCH: Any = torch
+
 
 @pytest.fixture
 def host() -> Iterator[Host]:
@@ -45,7 +51,7 @@ def _write(log: list[str], what: str) -> Work:
 
 def test_a_stream_runs_its_work_in_order_and_only_when_the_device_progresses(host: Host) -> None:
     log: list[str] = []
-    stream = torch.cuda.Stream(priority=torch.cuda.Stream.priority_range()[0])
+    stream = CUDA.Stream(priority=CUDA.Stream.priority_range()[0])
     for what in ("a", "b", "c"):
         stream.enqueue(_write(log, what))
     assert log == [] and not stream.query()
@@ -59,9 +65,9 @@ def test_an_event_never_recorded_is_complete_and_a_recorded_one_when_its_work_ra
     host: Host,
 ) -> None:
     log: list[str] = []
-    event = torch.Event()
+    event = TORCH.Event()
     assert event.query()  # cudaEventQuery of an event never recorded: cudaSuccess
-    stream = torch.cuda.Stream()
+    stream = CUDA.Stream()
     stream.enqueue(_write(log, "copy"))
     event.record(stream)
     stream.enqueue(_write(log, "later"))
@@ -72,9 +78,9 @@ def test_an_event_never_recorded_is_complete_and_a_recorded_one_when_its_work_ra
 
 def test_record_captures_the_work_queued_so_far_and_records_anew(host: Host) -> None:
     log: list[str] = []
-    compute = torch.cuda.current_stream()
+    compute = CUDA.current_stream()
     compute.enqueue(_write(log, "first"))
-    event = torch.Event()
+    event = TORCH.Event()
     event.record()  # the current stream
     compute.enqueue(_write(log, "second"))
     event.synchronize()
@@ -89,9 +95,9 @@ def test_a_wait_orders_later_work_after_what_the_event_captured(host: Host) -> N
     """Work on two streams is unordered unless an event orders it; the wait is for what the
     event captured when recorded, whatever it records later."""
     log: list[str] = []
-    compute, copy = torch.cuda.current_stream(), torch.cuda.Stream()
+    compute, copy = CUDA.current_stream(), CUDA.Stream()
     compute.enqueue(_write(log, "forward writes"))
-    done = torch.Event()
+    done = TORCH.Event()
     done.record(compute)
     copy.wait_event(done)
     copy.enqueue(_write(log, "store reads"))
@@ -102,7 +108,7 @@ def test_a_wait_orders_later_work_after_what_the_event_captured(host: Host) -> N
     copy.synchronize()  # runs what the wait needs, not the next forward
     assert log == ["forward writes", "store reads"]
     # without the wait, the copy runs before the compute it should follow
-    unordered, other = torch.cuda.Stream(), torch.cuda.current_stream()
+    unordered, other = CUDA.Stream(), CUDA.current_stream()
     other.enqueue(_write(log, "write"))
     unordered.enqueue(_write(log, "read"))
     unordered.synchronize()
@@ -113,7 +119,7 @@ def _buffers(host: Host, device_bytes: bytes, host_bytes: bytes) -> tuple[torch.
     gpu = torch.tensor(list(device_bytes), dtype=torch.uint8)
     cpu = torch.tensor(list(host_bytes), dtype=torch.uint8)
     host.device(0).allocate(gpu.data_ptr(), gpu.numel())
-    assert torch.cuda.cudart().cudaHostRegister(cpu.data_ptr(), cpu.numel(), 0).value == 0
+    assert CUDA.cudart().cudaHostRegister(cpu.data_ptr(), cpu.numel(), 0).value == 0
     return gpu, cpu
 
 
@@ -122,8 +128,7 @@ def _batch(
 ) -> tuple[int, int]:
     """cuMemcpyBatchAsync called as vLLM's cuda_mem_ops calls it: a function pointer from
     cuGetProcAddress, arrays of addresses, one attribute from index 0."""
-    from cuda.bindings import driver
-
+    driver: Any = importlib.import_module("cuda.bindings.driver")
     err, address, _ = driver.cuGetProcAddress(b"cuMemcpyBatchAsync", 12080, 0)
     assert err == driver.CUresult.CUDA_SUCCESS
     fn = BATCH_MEMCPY(address)
@@ -158,7 +163,7 @@ def test_a_batch_copy_writes_when_it_runs_reading_its_source_as_its_order_says(
     host: Host,
 ) -> None:
     gpu, cpu = _buffers(host, bytes(range(16)), bytes(16))
-    store = torch.cuda.Stream()
+    store = CUDA.Stream()
     # STREAM: the source is read when the copy runs, after the write before it
     code, _ = _batch([cpu.data_ptr()], [gpu.data_ptr()], [8], SRC_ACCESS_ORDER_STREAM, store)
     assert code == CUDA_SUCCESS and cpu[:8].tolist() == [0] * 8  # not yet run
@@ -166,7 +171,7 @@ def test_a_batch_copy_writes_when_it_runs_reading_its_source_as_its_order_says(
     store.synchronize()
     assert cpu[:8].tolist() == [99] * 8
     # ANY: the source may be read from the call on: the emulation reads it at the call
-    load = torch.cuda.Stream()
+    load = CUDA.Stream()
     cpu[8:] = 7
     code, _ = _batch([gpu.data_ptr() + 8], [cpu.data_ptr() + 8], [8], SRC_ACCESS_ORDER_ANY, load)
     cpu[8:] = 5  # written after the call: the copy may or may not see it
@@ -176,7 +181,7 @@ def test_a_batch_copy_writes_when_it_runs_reading_its_source_as_its_order_says(
 
 def test_a_descriptor_outside_known_memory_fails_the_batch_naming_it(host: Host) -> None:
     gpu, cpu = _buffers(host, bytes(16), bytes(16))
-    stream = torch.cuda.Stream()
+    stream = CUDA.Stream()
     past_end = cpu.data_ptr() + 12  # 8 bytes from there run past the registration
     code, fail = _batch(
         [cpu.data_ptr(), past_end],
@@ -195,17 +200,17 @@ def test_a_descriptor_across_two_registrations_is_refused(host: Host) -> None:
     gpu = torch.zeros(16, dtype=torch.uint8)
     cpu = torch.zeros(16, dtype=torch.uint8)
     host.device(0).allocate(gpu.data_ptr(), 16)
-    cudart = torch.cuda.cudart()
+    cudart = CUDA.cudart()
     assert cudart.cudaHostRegister(cpu.data_ptr(), 8, 0).value == CUDA_SUCCESS
     assert cudart.cudaHostRegister(cpu.data_ptr() + 8, 8, 0).value == CUDA_SUCCESS
-    stream = torch.cuda.Stream()
+    stream = CUDA.Stream()
     code, _ = _batch([cpu.data_ptr() + 4], [gpu.data_ptr()], [8], SRC_ACCESS_ORDER_STREAM, stream)
     assert code == CUDA_ERROR_INVALID_VALUE
 
 
 def test_host_registration_refuses_overlaps_and_unknown_addresses(host: Host) -> None:
     cpu = torch.zeros(64, dtype=torch.uint8)
-    cudart = torch.cuda.cudart()
+    cudart = CUDA.cudart()
     assert cudart.cudaHostRegister(cpu.data_ptr(), 32, 0).value == CUDA_SUCCESS
     again = cudart.cudaHostRegister(cpu.data_ptr() + 16, 32, 0)
     assert again.value == CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED
@@ -242,23 +247,25 @@ def test_a_worker_thread_runs_its_queue_when_the_host_says_and_stops_on_none(hos
 
 def test_streams_of_two_devices_are_their_own(host: Host) -> None:
     first, second = host.device(0), host.device(1)
-    a = torch.cuda.Stream()
+    a = CUDA.Stream()
     second.make_current()
-    b = torch.cuda.Stream()
+    b = CUDA.Stream()
     assert a.device is first and b.device is second
-    assert torch.cuda.current_stream() is second.current_stream
+    assert CUDA.current_stream() is second.current_stream
     assert Device.current() is second
 
 
 def test_installing_replaces_the_doors_and_restores_them() -> None:
     import sys
 
-    before = (torch.cuda.Stream, torch.Event, torch.cuda.current_stream)
+    threads: Any = threading
+    queues: Any = queue
+    before = (CUDA.Stream, TORCH.Event, CUDA.current_stream)
     with installed(Host(), [(threading, "Thread", EmulatedThread), (queue, "SimpleQueue", list)]):
-        assert torch.cuda.Stream is not before[0] and isinstance(
+        assert CUDA.Stream is not before[0] and isinstance(
             sys.modules["cuda.bindings.driver"], types.ModuleType
         )
-        assert threading.Thread is EmulatedThread
-    assert (torch.cuda.Stream, torch.Event, torch.cuda.current_stream) == before
-    assert threading.Thread is not EmulatedThread and queue.SimpleQueue is not list
+        assert threads.Thread is EmulatedThread
+    assert (CUDA.Stream, TORCH.Event, CUDA.current_stream) == before
+    assert threads.Thread is not EmulatedThread and queues.SimpleQueue is not list
     assert not getattr(sys.modules.get("cuda.bindings.driver"), "emulated", False)

@@ -73,7 +73,8 @@ def test_campaigns_run_as_tests_with_a_junit_report(tmp_path: Path) -> None:
     }
     assert verdicts["kvoffload[impl]"] == {"kvoffload-verdict": "conforms"}
     broken = verdicts["kvoffload[fault:no-final-flush]"]["kvoffload-verdict"]
-    assert broken.startswith("breaks ") and f"DISAGREES: {broken}" in failure.text
+    assert broken is not None and broken.startswith("breaks ")
+    assert f"DISAGREES: {broken}" in failure.text
 
 
 def test_the_plugin_is_inert_without_a_target(tmp_path: Path) -> None:
