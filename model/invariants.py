@@ -51,7 +51,7 @@ REGISTRY: dict[str, Invariant] = {}
 CONTRACTS: dict[str, str] = {
     "KV-BYTES": "every block that holds a key holds that key's KV bytes, in every layer of "
     "every worker, after every call (a block damaged on purpose excepted, until a lookup "
-    "finds it out)",
+    "finds it out), and every forward reads its context's KV",
     "INPUT": "bad input raises the error `model/validate.py` names, before anything changes",
 }
 

@@ -4,7 +4,9 @@ events (:func:`compare_call`), and a program replayed on both (:func:`first_diff
 
 The model's side of each call (:func:`model_call`) is the model engine admitting as vLLM
 0.34.0's scheduler does (:func:`scheduling`); finished requests are gone from vLLM's
-scheduler, so the model's snapshot is compared without them (:func:`model_snapshot`).
+scheduler, so the model's snapshot is compared without them (:func:`model_snapshot`). Beside
+vLLM's own workers (the worker machine), transfers complete in issue order per worker
+(:func:`model_step`), and the workers' KV bytes are checked after every call (KV-BYTES).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The emulated CUDA device (kvoffload.vllm_target.device) against the semantics CUDA documents
 for each call vLLM's offload worker makes: streams, events, the current stream,
 cuMemcpyBatchAsync with its source access orders, host registration, and the worker thread
-the host runs when told. Calls go through the same doors vLLM's code uses (CUDA.Stream,
+the host runs when told. Calls go through the same doors vLLM's code uses (torch.cuda.Stream,
 torch.Event, torch.cuda.cudart(), the driver's cuGetProcAddress, a ctypes function pointer)."""
 
 from __future__ import annotations

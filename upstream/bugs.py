@@ -114,15 +114,17 @@ BUGS: list[HistoricalBug] = [
         "store-skips-compute-wait",
         "0.23.0",
         "0.24.0",
-        out_of_reach="the worker's copy streams (a GPU target); the implementation has it "
-        "as the fault store-skips-compute-wait",
+        out_of_reach="overlapped execution: the worker machine drives vLLM's synchronous "
+        "scheduling, where a forward has run before a later step stores its blocks "
+        "(docs/upstream.md); the implementation has it as the fault store-skips-compute-wait",
     ),
     HistoricalBug(
         "metadata-by-reference",
         "0.23.0",
         "0.24.0",
-        out_of_reach="a worker reading the metadata after the scheduler changed it (the "
-        "adapter reads it when it is built)",
+        out_of_reach="0.23.0's worker: the worker machine drives 0.34.0's only (its workers "
+        "read the very metadata object the scheduler built, as vLLM's in-process executor "
+        "hands it over)",
     ),
     HistoricalBug(
         "dcp-per-rank-blocks",
@@ -213,19 +215,21 @@ BUGS: list[HistoricalBug] = [
         "no-forward-stores",
         "0.29.0",
         "0.30.0",
-        out_of_reach="the worker's no-forward steps (a GPU target)",
+        out_of_reach="0.29.0's worker: the worker machine drives 0.34.0's model runner glue "
+        "only (it catches the class: a step without a forward that drops its stores)",
     ),
     HistoricalBug(
         "mixed-page-sizes",
         "0.29.0",
         "0.30.0",
-        out_of_reach="the worker's KV layouts (a GPU target)",
+        out_of_reach="0.29.0's worker: the worker machine drives 0.34.0's only (it catches "
+        "the class: a block stride that copies part of a page)",
     ),
     HistoricalBug(
         "disk-dma-events",
         "0.29.0",
         "0.30.0",
-        out_of_reach="the disk backend (a GPU target)",
+        out_of_reach="the disk backend: the worker machine drives the CPU backend only",
     ),
     HistoricalBug(
         "uncacheable-groups",
@@ -261,7 +265,8 @@ BUGS: list[HistoricalBug] = [
         "pool-size-across-workers",
         "0.32.0",
         "0.33.0",
-        out_of_reach="workers with different KV layouts (a GPU target)",
+        out_of_reach="workers with different KV layouts: the worker machine gives every rank "
+        "the same layout",
     ),
     HistoricalBug(
         "chunk-unaligned-hits",
@@ -314,7 +319,8 @@ BUGS: list[HistoricalBug] = [
         "host-buffer-chunks",
         "0.33.0",
         "0.34.0",
-        out_of_reach="the worker's host buffers (a GPU target)",
+        out_of_reach="host buffers past CUDA's registration limit (hundreds of GiB): the "
+        "worker machine pins 0.34.0's buffer, on a machine of a few GiB",
     ),
 ]
 

@@ -41,7 +41,9 @@ from typing import Any
 # machine over vLLM's own scheduler drives besides: the connector's scheduler-side facade,
 # the KV cache manager and the scheduler (most of whose lines serve what no offload
 # configuration reaches: speculative decoding, encoders, structured output, pipeline and
-# data parallelism).
+# data parallelism); then the worker side the worker machine drives (issue 33): the worker,
+# its copy backend, batch copies and host buffer, the disk backend, and the model runner's
+# connector glue.
 WATCHED = (
     "v1/simple_kv_offload/manager.py",
     "v1/simple_kv_offload/metadata.py",
@@ -51,6 +53,12 @@ WATCHED = (
     "distributed/kv_transfer/kv_connector/v1/simple_cpu_offload_connector.py",
     "v1/core/kv_cache_manager.py",
     "v1/core/sched/scheduler.py",
+    "v1/simple_kv_offload/worker.py",
+    "v1/simple_kv_offload/copy_backend.py",
+    "v1/simple_kv_offload/cuda_mem_ops.py",
+    "v1/simple_kv_offload/host_buffer.py",
+    "v1/simple_kv_offload/disk_backend.py",
+    "v1/worker/gpu/kv_connector.py",
 )
 # The file the issues' targets are stated for.
 HEADLINE = "v1/simple_kv_offload/manager.py"

@@ -35,6 +35,11 @@ Runs only where vLLM imports, on releases whose scheduler has the interface of 0
 With kv-cache events, the connector's are compared at each step (vLLM's scheduler collects
 them once a step, in ``update_from_output``, for its publisher).
 
+With ``workers`` (the worker machine, issue 33), vLLM's own worker runs on every rank
+beside it (:class:`kvoffload.vllm_target.worker.VllmWorkers`): the step's reports are the
+workers' own, the device completing what ``report`` or ``picks`` plans, and
+:meth:`VllmScheduler.data_mismatches` reads every KV byte.
+
 Not yet driven: sliding-window, chunked local and Mamba groups (vLLM's admission caps their
 block counts by window and chunk, not modelled), decode context parallelism.
 """
