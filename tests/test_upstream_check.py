@@ -28,14 +28,14 @@ def test_every_release_names_known_variants_and_conforms_to_exactly_one() -> Non
         assert all(
             is_variant(c.variant) and c.expect in ("conform", "disagree") for c in row.checks
         )
-        assert all(c.machine in ("offload", "scheduler") for c in row.checks)
+        assert all(c.machine in ("offload", "scheduler", "worker") for c in row.checks)
         offload = [c for c in row.checks if c.machine == "offload"]
         assert [c.expect for c in offload].count("conform") == 1
-        # vLLM's own scheduler, where checked, conforms to the same variant
+        # vLLM's own scheduler, and its worker, where checked, conform to the same variant
         assert all(
             c.variant == row.model_variant
             for c in row.checks
-            if c.machine == "scheduler" and c.expect == "conform"
+            if c.machine in ("scheduler", "worker") and c.expect == "conform"
         )
         # every release conforms to a variant that models its bugs: those of #53498 up to
         # 0.29.0, those of lazy mode (S26, S27) up to 0.33.0, and, live in 0.34.0, the
