@@ -474,7 +474,9 @@ def _check_workers(workers: object, machine: str) -> WorkerLayout | None:
         return None
     _expect(isinstance(workers, dict), f"workers must be an object, got {brief(workers)}")
     assert isinstance(workers, dict)
-    _check_fields(workers, set(WorkerLayout._fields), list(WorkerLayout._fields), "workers: ")
+    # (every field named; the backend may be left out: pinned host memory)
+    required = [name for name in WorkerLayout._fields if name != "backend"]
+    _check_fields(workers, set(WorkerLayout._fields), required, "workers: ")
     layout = WorkerLayout(**workers)
     problem = layout.problem()
     _expect(problem is None, f"workers: {problem}")

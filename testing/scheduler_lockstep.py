@@ -41,7 +41,7 @@ from kvoffload.testing.words import (
     result_words,
 )
 from kvoffload.vllm_target.scheduler import CALLS, StepView, VllmScheduler, picked
-from kvoffload.vllm_target.worker import WorkerLayout
+from kvoffload.vllm_target.worker import WorkerLayout, completes_at_once
 
 TARGET = "vLLM's scheduler"  # how a difference in words names the target
 EVENT_FORMS = frozenset({"EVENT-STREAM"})  # the forms that judge a step's published events
@@ -97,16 +97,21 @@ def model_step(
     )
 
 
-def model_call(model: OffloadModel, call: Call, in_order: bool = False) -> object:
-    """``call`` on the model; its result as :func:`vllm_call` gives vLLM's (``in_order``:
-    beside vLLM's own workers, :func:`model_step`)."""
+def model_call(model: OffloadModel, call: Call, workers: WorkerLayout | None = None) -> object:
+    """``call`` on the model; its result as :func:`vllm_call` gives vLLM's. Beside vLLM's own
+    ``workers``, transfers complete in issue order per worker (:func:`model_step`), and with
+    the disk backend every transfer completes in the step that issues it (its IO threads
+    wait for their copies and write the files before the worker polls)."""
     name, *args = call
     if name == "add":
         model.add_request(*args)
         return None
     if name == "step":
         budget, report, *picks = args
-        return model_step(model, budget, report, picks[0] if picks else (), in_order)
+        report = report or completes_at_once(workers)
+        return model_step(
+            model, budget, report, picks[0] if picks else (), in_order=workers is not None
+        )
     if name == "abort":
         model.finish(args[0])
         return None
@@ -180,7 +185,8 @@ def compare_call(
     if model.config.kv_events and target not in _PUBLISHED:
         _PUBLISHED[target] = target.snapshot()  # (nothing published yet)
     try:
-        expected: object = model_call(model, call, in_order=target.workers is not None)
+        layout = None if target.workers is None else target.workers.layout
+        expected: object = model_call(model, call, layout)
     except InvariantViolation as broken:
         # the specification itself is wrong on this program (as lockstep.compare says it)
         return model_broke_at(broken, call, n)
@@ -263,11 +269,13 @@ def _compare_events(
     return classified(model, found, judged, model_snapshot(model), None, n, EVENT_FORMS)
 
 
-def invariant_broken(model: OffloadModel, call: Call, n: int, in_order: bool = False) -> str | None:
+def invariant_broken(
+    model: OffloadModel, call: Call, n: int, workers: WorkerLayout | None = None
+) -> str | None:
     """Call ``n`` on the model alone: the invariant it breaks, or None."""
     require_call(call)
     try:
-        model_call(model, call, in_order)
+        model_call(model, call, workers)
     except InvariantViolation as broken:
         return model_broke_at(broken, call, n)
     return None
@@ -298,7 +306,7 @@ def first_difference(
             scheduling=scheduling(whole_sequence_admission),
         )
         for n, call in enumerate(program):
-            found = invariant_broken(model, call, n, in_order=workers is not None)
+            found = invariant_broken(model, call, n, workers)
             if found:
                 return found
         return None
@@ -327,8 +335,11 @@ def first_difference_between(
         scheduling=scheduling(model_admission),
     )
     events: list[KVEvent] = []
-    for n, call in enumerate(program):
-        found = compare_call(model, target, call, n, events)
-        if found:
-            return found
-    return None
+    try:
+        for n, call in enumerate(program):
+            found = compare_call(model, target, call, n, events)
+            if found:
+                return found
+        return None
+    finally:
+        target.close()

@@ -25,8 +25,10 @@ VARIANT = "inclusive-cpu+window-stale-ids+reset-gpu-only"  # 0.34.0's row
 
 # (configuration, program, layout): stores, a CPU hit loaded back and read by the forward,
 # over every physical layout vLLM's planner has, heads split across regions, several ranks,
-# two groups of other block sizes.
+# two groups of other block sizes, the disk backend.
 CASES = [
+    ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, WorkerLayout(2, 2, 4, "LHBNC", "disk")),
+    ("OffloadConfig(12, 16, (4, 8), 4)", CPU_HIT, WorkerLayout(1, 1, 4, "BLHNC", "disk")),
     ("OffloadConfig(6, 16, (4,), 4)", CPU_HIT, WorkerLayout()),
     ("OffloadConfig(6, 16, (4,), 4, 2)", CPU_HIT, WorkerLayout(2, 2, 4, "LHBNC")),
     ("OffloadConfig(6, 16, (4,), 4, 3, lazy=True)", CPU_HIT, WorkerLayout(3, 2, 2, "BLHNC")),
@@ -78,6 +80,22 @@ PLANTED = {
             return sending, receiving or None
         worker.SimpleCPUOffloadWorker.get_finished = early
     """,
+    # the disk backend writing a staging buffer before its copy from the GPU ran (S18's
+    # class: staged DMA and file I/O out of order)
+    "disk-writes-before-its-copy": """
+        def store(self, gpu_blocks, disk_slots, stream):
+            staged = [None] * self._num_buffer_slots
+            for i, (gpu_block, disk_slot) in enumerate(zip(gpu_blocks, disk_slots)):
+                slot = i % self._num_buffer_slots
+                if staged[slot] is not None:
+                    self._writev_slot(slot, staged[slot])
+                disk_backend.copy_blocks([gpu_block], [slot], self._store_params)
+                staged[slot] = disk_slot * self._total_block_bytes
+            for slot, offset in enumerate(staged):
+                if offset is not None:
+                    self._writev_slot(slot, offset)
+        disk_backend.DiskBackend._do_store = store
+    """,
     # a step without a forward that drops its stores (S16's class: the save skipped)
     "no-forward-drops-stores": """
         post = kv_connector.ActiveKVConnector.post_forward
@@ -111,6 +129,7 @@ NO_FLUSH_ADMISSION = False  # (vLLM admitting on the first chunk: r2 preempts r1
 IMPORTS = """
     import vllm.v1.simple_kv_offload.copy_backend as copy_backend
     import vllm.v1.simple_kv_offload.cuda_mem_ops as cuda_mem_ops
+    import vllm.v1.simple_kv_offload.disk_backend as disk_backend
     import vllm.v1.simple_kv_offload.worker as worker
     from vllm.v1.outputs import ModelRunnerOutput
     from vllm.v1.worker.gpu import kv_connector
@@ -144,6 +163,7 @@ PLANTED_ON = [
     ("copy_backend", "copy_blocks"),
     ("copy_backend", "build_params"),
     ("kv_connector.ActiveKVConnector", "no_forward"),
+    ("disk_backend.DiskBackend", "_do_store"),
 ]
 
 
@@ -221,8 +241,9 @@ def test_a_worker_machines_failure_is_one_format_with_its_layout() -> None:
     assert failure.workers == WorkerLayout(2, 2, 4, "LHBNC")
     assert failure.file_name.startswith("worker-vllm-0.34.0-")
     assert validate(json.loads(json.dumps(failure.to_dict()))) == failure
-    assert "workers=WorkerLayout(layers=2, heads=2, head_size=4, layout='LHBNC')" in (
-        failure.reproducer()
+    assert (
+        "workers=WorkerLayout(layers=2, heads=2, head_size=4, layout='LHBNC', backend='cpu')"
+        in failure.reproducer()
     )
     assert "from kvoffload.vllm_target.worker import WorkerLayout" in failure.reproducer()
     for workers, words in (
@@ -230,6 +251,7 @@ def test_a_worker_machines_failure_is_one_format_with_its_layout() -> None:
         ({"layers": 9, "heads": 1, "head_size": 4, "layout": "LBHNC"}, "layers must be"),
         ({"layers": 1, "heads": 1, "head_size": 4, "layout": "XYZ"}, "layout must be one of"),
         ({"layers": 1, "heads": 1, "head_size": 4}, "layout"),
+        ({"layers": 1, "heads": 1, "head_size": 4, "layout": "LBHNC", "backend": "nfs"}, "backend"),
     ):
         with pytest.raises(ValueError, match=words):
             validate(data | {"workers": workers})
@@ -264,5 +286,5 @@ def test_a_worker_failure_file_loads_as_it_was_saved(tmp_path: Path) -> None:
     assert load(path) == failure
     test = failure.regression_test()
     assert "def test_regression_worker_model" in test
-    assert "workers=WorkerLayout(layers=2, heads=1, head_size=4, layout='LBHNC')" in test
+    assert "layout='LBHNC', backend='cpu')" in test
     assert "from kvoffload.vllm_target.worker import WorkerLayout" in test

@@ -229,7 +229,8 @@ BUGS: list[HistoricalBug] = [
         "disk-dma-events",
         "0.29.0",
         "0.30.0",
-        out_of_reach="the disk backend: the worker machine drives the CPU backend only",
+        out_of_reach="0.29.0's worker: the worker machine drives 0.34.0's disk backend only "
+        "(it catches the class: a staging buffer written to the file before its copy ran)",
     ),
     HistoricalBug(
         "uncacheable-groups",

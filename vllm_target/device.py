@@ -379,21 +379,28 @@ class Host:
 
 class EmulatedQueue:
     """``queue.SimpleQueue`` for a thread the host runs: ``get`` hands out what was put, then
-    ``None`` (the loop's end) when nothing is left."""
+    ``None`` (the loop's end) when nothing is left. A ``None`` that was put (a shutdown)
+    stops the thread that takes it."""
+
+    taken = 0  # items handed out, by every queue: how a host sees a thread make progress
 
     def __init__(self) -> None:
         self.items: deque[Any] = deque()
-        self.closed = False  # a None was put: the loop ends for good there
 
     def put(self, item: Any) -> None:
         self.items.append(item)
-        self.closed |= item is None
 
     def put_nowait(self, item: Any) -> None:
         self.put(item)
 
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
-        return self.items.popleft() if self.items else None
+        if not self.items:
+            return None
+        item = self.items.popleft()
+        EmulatedQueue.taken += 1
+        if item is None and EmulatedThread.running is not None:
+            EmulatedThread.running.stopped = True
+        return item
 
     def empty(self) -> bool:
         return not self.items
@@ -403,13 +410,14 @@ class EmulatedQueue:
 
 
 class EmulatedThread:
-    """``threading.Thread`` for a loop over an :class:`EmulatedQueue`: it runs on the
-    caller's thread, with the device current when it was started, when the host says
-    (:meth:`Host.run_threads`), until its queues are empty; a loop that returns on an empty
-    queue's ``None`` is simply started again the next time, one that took a ``None`` put
-    (a shutdown) has stopped."""
+    """``threading.Thread`` for a loop over :class:`EmulatedQueue` s: it runs on the caller's
+    thread, with the device current when it was started, when the host says
+    (:meth:`Host.run_threads`), as long as its loop takes items; a loop that returns on an
+    empty queue's ``None`` is simply started again the next time, one that took a ``None``
+    put (a shutdown) has stopped."""
 
     host: Host | None = None
+    running: EmulatedThread | None = None  # the thread whose loop runs now
 
     def __init__(
         self,
@@ -431,21 +439,24 @@ class EmulatedThread:
         self.started, self.device = True, Device._current
         EmulatedThread.host.threads.append(self)
 
-    def queues(self) -> list[EmulatedQueue]:
-        return [a for a in (*self.args, *self.kwargs.values()) if isinstance(a, EmulatedQueue)]
-
     def run_pending(self) -> None:
-        if not self.started or self.stopped or self.target is None:
+        if not self.started or self.target is None:
             return
         caller = Device._current
         if self.device is not None:
             self.device.make_current()
         try:
-            while any(q.items for q in self.queues()):
-                self.target(*self.args, **self.kwargs)
+            while not self.stopped:
+                before = EmulatedQueue.taken
+                EmulatedThread.running = self
+                try:
+                    self.target(*self.args, **self.kwargs)
+                finally:
+                    EmulatedThread.running = None
+                if EmulatedQueue.taken == before:
+                    break
         finally:
             Device._current = caller
-        self.stopped = any(q.closed for q in self.queues())
 
     def join(self, timeout: float | None = None) -> None:
         self.run_pending()

@@ -58,7 +58,7 @@ from kvoffload.model.snapshot import RequestView, Snapshot
 from kvoffload.model.types import KVEvent
 from kvoffload.vllm_target.keymap import KeyMap
 from kvoffload.vllm_target.offload import manager_snapshot, model_event
-from kvoffload.vllm_target.worker import Plan, VllmWorkers, WorkerLayout
+from kvoffload.vllm_target.worker import Plan, VllmWorkers, WorkerLayout, completes_at_once
 from kvoffload.vllm_target.world import build, keywords
 
 # What one step shows: tokens scheduled per request, then the store event with its GPU and
@@ -222,6 +222,7 @@ class VllmScheduler:
         scheduler = self.scheduler
         manager = scheduler.kv_cache_manager
         scheduler.max_num_scheduled_tokens = token_budget
+        report = report or completes_at_once(None if self.workers is None else self.workers.layout)
         output = scheduler.schedule()
         meta = output.kv_connector_metadata
         req_ids = list(output.num_scheduled_tokens)
@@ -317,6 +318,11 @@ class VllmScheduler:
             tuple(meta.load_gpu_blocks),
             tuple(meta.load_cpu_blocks),
         )
+
+    def close(self) -> None:
+        """Let the workers' threads, devices and files go (nothing without workers)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def abort(self, request_id: str) -> None:
         from vllm.v1.request import RequestStatus as VllmStatus

@@ -13,6 +13,11 @@ started after it, ``wait_for_save``, ``get_finished``, ``build_connector_worker_
 outputs are aggregated by vLLM's own ``KVOutputAggregator`` and go back to the scheduler, so
 the loop is vLLM's own.
 
+The offloaded blocks live in pinned host memory (vLLM's ``DmaCopyBackend``) or, with the
+layout's ``backend="disk"``, in a file of each rank's in a temporary folder of the world's
+own (vLLM's ``DiskBackend``, its IO threads run by the host like the copy thread), removed
+with the world (:meth:`VllmWorkers.close`).
+
 The forward is emulated on each rank's compute stream: for every request the step computes,
 it reads the KV of the context before the step's tokens (every layer of every group, from
 the blocks of the request's table) and writes the KV of the step's tokens, both when the
@@ -33,11 +38,17 @@ run with its device current and its connector the process's connector agent.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
+import dataclasses
 import functools
+import os
+import shutil
+import tempfile
 import types
-from collections.abc import Iterable, Mapping, Sequence
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -55,6 +66,7 @@ from kvoffload.vllm_target.device import (
 )
 
 LAYOUTS = ("LBHNC", "LBNHC", "LHBNC", "BLHNC", "BLNHC", "BHLNC")  # vLLM's KVCacheLayout
+BACKENDS = ("cpu", "disk")  # where the offloaded blocks live (vLLM's kv_offload_backend)
 
 
 # The layouts vLLM's planner takes for groups of several page sizes (blocks of another token
@@ -67,13 +79,16 @@ MAX_LAYERS, MAX_HEADS, MAX_HEAD_SIZE = 4, 4, 64
 
 class WorkerLayout(NamedTuple):
     """How each rank's KV caches are laid out: layers per KV group, KV heads per layer,
-    head size (fp16 elements), and vLLM's physical layout by name (layer- or block-outer,
-    heads inside or outside a block)."""
+    head size (fp16 elements), vLLM's physical layout by name (layer- or block-outer, heads
+    inside or outside a block), and where the offloaded blocks live."""
 
     layers: int = 2
     heads: int = 1
     head_size: int = 4
     layout: str = "LBHNC"
+    # "cpu": blocks in pinned host memory (DmaCopyBackend); "disk": in a file of each rank's,
+    # in a temporary folder, through pinned staging buffers (DiskBackend, page cache on)
+    backend: str = "cpu"
 
     def problem(self) -> str | None:
         """What is wrong with this layout, or None."""
@@ -86,7 +101,16 @@ class WorkerLayout(NamedTuple):
                 return f"{name} must be an int from 1 to {most}, got {value!r}"
         if self.layout not in LAYOUTS:
             return f"layout must be one of {', '.join(LAYOUTS)}, got {self.layout!r}"
+        if self.backend not in BACKENDS:
+            return f"backend must be one of {', '.join(BACKENDS)}, got {self.backend!r}"
         return None
+
+
+def completes_at_once(layout: WorkerLayout | None) -> bool:
+    """Whether every transfer completes in the step that issues it: the disk backend's IO
+    threads wait for each staging copy and write or read the file themselves, all before
+    the worker polls (the threads keep up with the host)."""
+    return layout is not None and layout.backend == "disk"
 
 
 def layouts_for(config: OffloadConfig) -> tuple[str, ...]:
@@ -136,10 +160,11 @@ class Rank:
 
 def _emulation_patches() -> list[tuple[Any, str, Any]]:
     """What vLLM's worker modules take from the machine, pointed at the emulation: pinned
-    memory available, the copy backend's thread and queue run by the host, the batch copy
-    resolved anew, the device set by the emulated thread itself."""
+    memory available, the copy and disk backends' threads and queues run by the host, the
+    batch copy resolved anew, the device set by the emulated thread itself."""
     import vllm.v1.simple_kv_offload.copy_backend as copy_backend
     import vllm.v1.simple_kv_offload.cuda_mem_ops as cuda_mem_ops
+    import vllm.v1.simple_kv_offload.disk_backend as disk_backend
     import vllm.v1.simple_kv_offload.worker as worker_module
     from vllm.platforms import current_platform
 
@@ -147,6 +172,8 @@ def _emulation_patches() -> list[tuple[Any, str, Any]]:
         (worker_module, "PIN_MEMORY", True),
         (copy_backend, "queue", types.SimpleNamespace(SimpleQueue=EmulatedQueue)),
         (copy_backend, "threading", types.SimpleNamespace(Thread=EmulatedThread)),
+        (disk_backend, "queue", types.SimpleNamespace(SimpleQueue=EmulatedQueue)),
+        (disk_backend, "threading", types.SimpleNamespace(Thread=EmulatedThread)),
         (cuda_mem_ops, "_batch_memcpy", None),
         (current_platform, "set_device", lambda device: None),
     ]
@@ -173,6 +200,11 @@ class VllmWorkers:
 
         install(_emulation_patches())
         self.config, self.layout = config, layout
+        # the disk backend's files, one a rank, in a folder of the world's own
+        self.folder = (
+            tempfile.mkdtemp(prefix="kvoffload-disk-") if layout.backend == "disk" else None
+        )
+        self._cleanup = weakref.finalize(self, _remove, self.folder)
         self.host = Host()
         activate(self.host)
         self.plan = Plan()
@@ -217,9 +249,10 @@ class VllmWorkers:
                 None,
                 allocate=allocate,
             )
-            connector = SimpleCPUOffloadConnector(
-                vllm_config, KVConnectorRole.WORKER, kv_cache_config
-            )
+            with self._backend_config(vllm_config, rank):
+                connector = SimpleCPUOffloadConnector(
+                    vllm_config, KVConnectorRole.WORKER, kv_cache_config
+                )
             self._as_agent(connector)
             glue = ActiveKVConnector(vllm_config, caches)
             self._hook(connector.worker_handler, rank)
@@ -368,7 +401,9 @@ class VllmWorkers:
         writes = rank.device.pending_writes()
         if not writes:
             return busy
-        for side, regions in (("gpu", handler.gpu_kv_caches), ("cpu", handler.cpu_kv_caches)):
+        # (the disk backend's blocks are in its file, written by its threads, never queued)
+        sides = (("gpu", handler.gpu_kv_caches), ("cpu", handler.cpu_kv_caches or {}))
+        for side, regions in sides:
             for region in regions.values():
                 base, row = region.data_ptr(), region.stride(0) * region.element_size()
                 for address, size in writes:
@@ -382,7 +417,7 @@ class VllmWorkers:
     ) -> str | None:
         size = self.config.group_block_sizes[group]
         seeds = token_seeds(tokens)[-size:]
-        cpu = rank.handler.cpu_kv_caches
+        cpu = self._cpu_side(rank)
         for layer, by_position in enumerate(rank.slots[group]):
             for pos, (seed, slot) in enumerate(zip(seeds, by_position, strict=True)):
                 want = _token(seed, group, layer, slot, rank.rank)
@@ -393,6 +428,37 @@ class VllmWorkers:
                         f"the KV of its key (position {pos} of the block)"
                     )
         return None
+
+    def _cpu_side(self, rank: Rank) -> Callable[[str, int, int, int], bytes]:
+        """How to read ``size`` bytes at ``offset`` of region ``name``'s row of CPU block
+        ``block`` on ``rank``: from the pinned host tensors, or with the disk backend from
+        its file (a block's slot holds each region's row, one after the other, in the order
+        of the worker's regions)."""
+        handler = rank.handler
+        if handler.cpu_kv_caches is not None:
+            tensors = handler.cpu_kv_caches
+
+            def from_memory(name: str, block: int, offset: int, size: int) -> bytes:
+                tensor = tensors[name]
+                row = tensor.stride(0) * tensor.element_size()
+                return ctypes.string_at(tensor.data_ptr() + block * row + offset, size)
+
+            return from_memory
+        assert self.folder is not None
+        (path,) = (
+            entry.path for entry in os.scandir(os.path.join(self.folder, f"rank{rank.rank}"))
+        )
+        starts, at = {}, 0
+        for name, region in handler.gpu_kv_caches.items():
+            starts[name] = at
+            at += region.stride(0) * region.element_size()
+
+        def from_disk(name: str, block: int, offset: int, size: int) -> bytes:
+            with open(path, "rb") as file:
+                file.seek(block * at + starts[name] + offset)
+                return file.read(size)
+
+        return from_disk
 
     # -- building ---------------------------------------------------------------------------
 
@@ -447,11 +513,50 @@ class VllmWorkers:
             if last:
                 last[-1].synchronize()
 
+    @contextlib.contextmanager
+    def _backend_config(self, vllm_config: Any, rank: int) -> Iterator[None]:
+        """The worker-role connector of ``rank`` built with the backend of the layout: the
+        disk backend's file in the world's folder (a path per rank: vLLM names it by the
+        device's index, which CPU tensors lack), the page cache on (O_DIRECT wants 4 KiB
+        blocks)."""
+        if self.folder is None:
+            yield
+            return
+        transfer = vllm_config.kv_transfer_config
+        extra = dict(transfer.kv_connector_extra_config or {})
+        vllm_config.kv_transfer_config = dataclasses.replace(
+            transfer,
+            kv_connector_extra_config=extra
+            | {
+                "kv_offload_backend": "disk",
+                "disk_path": os.path.join(self.folder, f"rank{rank}", "kv"),
+                "use_page_cache": True,
+            },
+        )
+        try:
+            yield
+        finally:
+            vllm_config.kv_transfer_config = transfer
+
+    def close(self) -> None:
+        """Shut every rank's backend down (its threads stop, the disk files go) and remove
+        the world's folder."""
+        for rank in self.ranks:
+            backend = rank.handler._backend
+            if backend is not None:
+                backend.shutdown()
+        self._cleanup()
+
     @staticmethod
     def _as_agent(connector: Any) -> None:
         from vllm.distributed.kv_transfer import kv_transfer_state
 
         kv_transfer_state._KV_CONNECTOR_AGENT = connector
+
+
+def _remove(folder: str | None) -> None:
+    if folder is not None:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _region_of(regions: Sequence[tuple[str, int, int]], address: int, size: int) -> Any:
@@ -485,7 +590,7 @@ def _write(slot: _Slot, block: int, data: bytes) -> None:
         ctypes.memmove(start + o, part, slot.content)
 
 
-def _read_cpu(slot: _Slot, cpu: Mapping[str, Any], block: int) -> bytes:
+def _read_cpu(slot: _Slot, cpu: Callable[[str, int, int, int], bytes], block: int) -> bytes:
     """The bytes of ``slot`` in CPU ``block``, each head from its region's row (nothing for
     a head no region holds: never copied, never its KV)."""
     parts = []
@@ -493,7 +598,5 @@ def _read_cpu(slot: _Slot, cpu: Mapping[str, Any], block: int) -> bytes:
         if region is None:
             return b""
         name, offset = region
-        tensor = cpu[name]
-        row = tensor.stride(0) * tensor.element_size()
-        parts.append(ctypes.string_at(tensor.data_ptr() + block * row + offset, slot.content))
+        parts.append(cpu(name, block, offset, slot.content))
     return b"".join(parts)
