@@ -40,9 +40,21 @@ class Release:
         )
 
 
-def _conforming(versions: list[str], variant: str, note: str, why: str) -> list[Release]:
-    """Releases that conform to ``variant``, one row each."""
-    return [Release(v, note, (Check(variant, "conform", why),)) for v in versions]
+def _conforming(
+    versions: list[str], variant: str, note: str, why: str, worker: bool = False
+) -> list[Release]:
+    """Releases that conform to ``variant``, one row each; with ``worker``, their own worker
+    on every rank too (the worker machine: the releases whose worker it drives)."""
+    checks = [Check(variant, "conform", why)]
+    if worker:
+        checks.append(Check(variant, "conform", _WORKER_CONFORMS, machine="worker"))
+    return [Release(v, note, tuple(checks)) for v in versions]
+
+
+_WORKER_CONFORMS = (
+    "vLLM's own worker on every rank: the same model, its transfers completing in issue "
+    "order per worker, every KV byte checked"
+)
 
 
 RELEASES = {
@@ -118,6 +130,7 @@ RELEASES = {
             "the fixed model with 0.32's reset of lookup pins, 0.33's lazy mode, the "
             "window scan's reused blocks, the prefix-cache reset of #57727 and the final "
             "flush's prompt tail at the prompt's end (S28)",
+            worker=True,
         ),
         Release(
             "0.34.0",
@@ -161,8 +174,7 @@ RELEASES = {
                 Check(
                     "inclusive-cpu+window-stale-ids+reset-gpu-only",
                     "conform",
-                    "vLLM's own worker on every rank: the same model, its transfers "
-                    "completing in issue order per worker, every KV byte checked",
+                    _WORKER_CONFORMS,
                     machine="worker",
                 ),
             ),

@@ -237,18 +237,16 @@ class VllmWorkers:
                     f"vLLM's planner refuses the layout {layout}: {error}"
                 ) from error
 
-            def allocate(size: int, device: Device = device) -> Any:
-                raw = torch.zeros(size, dtype=torch.int8)
-                device.allocate(raw.data_ptr(), size)
-                return raw
-
             caches = allocate_kv_cache(
-                kv_cache_config,
-                torch.device("cpu"),
-                KVCacheLayout[layout.layout],
-                None,
-                allocate=allocate,
+                kv_cache_config, torch.device("cpu"), KVCacheLayout[layout.layout], None
             )
+            # (the backing allocations, the device's memory)
+            storages = {
+                (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+                for t in caches.values()
+            }
+            for start, size in sorted(storages):
+                device.allocate(start, size)
             with self._backend_config(vllm_config, rank):
                 connector = SimpleCPUOffloadConnector(
                     vllm_config, KVConnectorRole.WORKER, kv_cache_config
