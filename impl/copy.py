@@ -23,9 +23,10 @@ gathers and scatters are kernels that read or write the host over the bus, one p
 consecutive on either side, however scattered the host blocks are. :func:`mapped_pays` says
 when (a host side cut into short runs: one DMA per run costs a DMA's fixed cost per block).
 
-Host memory on both sides with rows of 256 KiB or more takes a third way: one ``memmove``
-of the C library per run consecutive on both sides (:attr:`CopyPlan.moves`), the limit the
-bench holds the path to. Measured on a 2-core machine (docs/performance.md): there a torch
+Host memory on both sides with rows of 256 KiB or more, or with the whole transfer one run
+consecutive on both sides whatever its rows (fresh blocks of a long prompt, a whole prefix
+loaded back), takes a third way: one ``memmove`` of the C library per run consecutive on both
+sides (:attr:`CopyPlan.moves`), the limit the bench holds the path to. Measured on a 2-core machine (docs/performance.md): there a torch
 copy of host memory reaches 0.6 to 0.9 of one ``memmove`` of the same bytes, a loop of
 ``memmove`` calls 0.95 and more once each call moves 256 KiB; on smaller rows the loop's
 per-call cost in Python outweighs what it saves, and torch's one indexed operation per run
@@ -294,20 +295,30 @@ class CopyPlan:
 
     def _memmove(self, s: torch.Tensor, d: torch.Tensor) -> bool:
         """Run the plan as memmoves where that is the faster way and the memory allows it
-        (host tensors of the same row width, rows packed one after the other); False, having
-        copied nothing, where it is not."""
+        (host tensors of the same row width, rows packed one after the other): a plan that
+        is one run consecutive on both sides, whatever its rows (one call, where torch's
+        slice copy costs several times a call's overhead), or rows of
+        :data:`MEMMOVE_MIN_ROW` and more; False, having copied nothing, where it is not."""
         row = s.shape[1] * s.element_size()
-        if row < MEMMOVE_MIN_ROW:
+        src_ids, dst_ids, _, _ = self._pairs
+        one_run = consecutive(src_ids) and consecutive(dst_ids)
+        if row < MEMMOVE_MIN_ROW and not one_run:
             return False
         if not (_packed(s, row) and _packed(d, row)):
             return False
-        sides = zip(("source", "destination"), (s, d), self._bounds, strict=True)
+        if one_run:
+            # (checked by its ends, and moved in one call: no pass over the ids)
+            bounds = ((src_ids[0], src_ids[-1]), (dst_ids[0], dst_ids[-1]))
+            moves = [(src_ids[0], dst_ids[0], len(src_ids))]
+        else:
+            bounds, moves = self._bounds, self.moves
+        sides = zip(("source", "destination"), (s, d), bounds, strict=True)
         for side, tensor, (low, high) in sides:
             if low < 0 or high >= tensor.shape[0]:
                 bad = low if low < 0 else high
                 raise IndexError(f"{side} block {bad} out of range of {tensor.shape[0]} blocks")
         src, dst = s.data_ptr(), d.data_ptr()
-        for a, b, n in self.moves:
+        for a, b, n in moves:
             ctypes.memmove(dst + b * row, src + a * row, n * row)
         return True
 
