@@ -26,11 +26,11 @@ when (a host side cut into short runs: one DMA per run costs a DMA's fixed cost 
 Host memory on both sides with rows of 256 KiB or more, or with the whole transfer one run
 consecutive on both sides whatever its rows (fresh blocks of a long prompt, a whole prefix
 loaded back), takes a third way: one ``memmove`` of the C library per run consecutive on both
-sides (:attr:`CopyPlan.moves`), the limit the bench holds the path to. Measured on a 2-core machine (docs/performance.md): there a torch
-copy of host memory reaches 0.6 to 0.9 of one ``memmove`` of the same bytes, a loop of
-``memmove`` calls 0.95 and more once each call moves 256 KiB; on smaller rows the loop's
-per-call cost in Python outweighs what it saves, and torch's one indexed operation per run
-is the faster. The ids are checked against both tensors first, as torch's indexed
+sides (:attr:`CopyPlan.moves`), the limit the bench holds the path to. Measured on a
+2-core machine (docs/performance.md): there a torch copy of host memory reaches 0.6 to 0.9
+of one ``memmove`` of the same bytes, a loop of ``memmove`` calls 0.95 and more once each
+call moves 256 KiB; on smaller rows cut into several runs the loop's per-call cost in Python
+outweighs what it saves, and torch's one indexed operation per run is the faster. The ids are checked against both tensors first, as torch's indexed
 operations check theirs: a bad id is an ``IndexError``, never a stray write.
 
 Index tensors are built once per plan from the id lists (``torch.frombuffer`` over an
