@@ -30,8 +30,9 @@ sides (:attr:`CopyPlan.moves`), the limit the bench holds the path to. Measured 
 2-core machine (docs/performance.md): there a torch copy of host memory reaches 0.6 to 0.9
 of one ``memmove`` of the same bytes, a loop of ``memmove`` calls 0.95 and more once each
 call moves 256 KiB; on smaller rows cut into several runs the loop's per-call cost in Python
-outweighs what it saves, and torch's one indexed operation per run is the faster. The ids are checked against both tensors first, as torch's indexed
-operations check theirs: a bad id is an ``IndexError``, never a stray write.
+outweighs what it saves, and torch's one indexed operation per run is the faster. The ids
+are checked against both tensors first, as torch's indexed operations check theirs: a bad id
+is an ``IndexError``, never a stray write.
 
 Index tensors are built once per plan from the id lists (``torch.frombuffer`` over an
 ``array``: a copy of the ids, not a Python-level conversion of each one).
