@@ -111,25 +111,10 @@ class SchedulerMachine(LockstepMachine):
     # the registry's row of the target whose scheduler it drives; None: the model alone,
     # every invariant checked
     target_spec: ClassVar[TargetSpec | None]
-    # the worker machine (issue 33): vLLM's own workers on every rank, their KV caches laid
-    # out as a drawn layout says
-    worker_machine: ClassVar[bool] = False
 
     @setup_rule()
-    def setup(
-        self,
-        layout: tuple[tuple[int, ...], int],
-        gpu_blocks: int,
-        cpu_blocks: int,
-        world_size: int,
-        lazy: bool,
-        kv_events: bool,
-        whole: bool,
-        first: list[int],
-    ) -> None:
-        self.begin_program(
-            layout, gpu_blocks, cpu_blocks, world_size, lazy, kv_events, whole, first, None
-        )
+    def setup(self, **drawn: Any) -> None:
+        self.begin_program(**drawn)
 
     def begin_program(
         self,
@@ -141,8 +126,9 @@ class SchedulerMachine(LockstepMachine):
         kv_events: bool,
         whole: bool,
         first: list[int],
-        workers: WorkerLayout | None,
+        workers: WorkerLayout | None = None,
     ) -> None:
+        """The program's configuration as drawn (with the worker machine's layout)."""
         started = time.perf_counter()
         sizes, hbs = layout
         gpu_blocks *= len(sizes)  # a block per group and position
@@ -396,24 +382,9 @@ class WorkerMachine(SchedulerMachine):
     """The worker machine (issue 33): the scheduler machine's programs with vLLM's own
     workers on every rank, their KV caches laid out as a drawn layout says."""
 
-    worker_machine = True
-
     @setup_rule(workers=WORKER_LAYOUTS)
-    def setup(
-        self,
-        layout: tuple[tuple[int, ...], int],
-        gpu_blocks: int,
-        cpu_blocks: int,
-        world_size: int,
-        lazy: bool,
-        kv_events: bool,
-        whole: bool,
-        first: list[int],
-        workers: WorkerLayout,
-    ) -> None:
-        self.begin_program(
-            layout, gpu_blocks, cpu_blocks, world_size, lazy, kv_events, whole, first, workers
-        )
+    def setup(self, **drawn: Any) -> None:
+        self.begin_program(**drawn)
 
 
 def scheduler_machine(

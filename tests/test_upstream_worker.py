@@ -180,26 +180,36 @@ def test_every_fault_planted_in_vllms_worker_is_found() -> None:
     assert not escaped, f"faults the worker machine does not find: {escaped}"
 
 
+# A worker machine's failure as its file holds it (the model alone; a test adds the rest).
+FAILURE = {
+    "format": 2,
+    "machine": WORKER,
+    "adapter": "model",
+    "variant": "fixed",
+    "config": {
+        "gpu_blocks": 4,
+        "cpu_blocks": 2,
+        "group_block_sizes": [4],
+        "hash_block_size": 4,
+        "world_size": 1,
+    },
+    "program": [["add", "r0", [0, 1, 2, 3], 1]],
+    "disagreement": "call 0 ('add', 'r0', [0, 1, 2, 3], 1): planted",
+    "whole_sequence_admission": True,
+    "workers": WorkerLayout()._asdict(),
+}
+
+
 def test_a_worker_machines_failure_is_one_format_with_its_layout() -> None:
     """The worker machine's failure records its layout; a file without one, or with one out
     of bounds, is refused naming the field; the reproducer rebuilds the layout."""
-    data = {
-        "format": 2,
-        "machine": WORKER,
+    data = FAILURE | {
         "adapter": "vllm",
         "variant": VARIANT,
         "release": "0.34.0",
         "target": {"kind": "release", "version": "0.34.0"},
-        "config": {
-            "gpu_blocks": 4,
-            "cpu_blocks": 2,
-            "group_block_sizes": [4],
-            "hash_block_size": 4,
-            "world_size": 1,
-        },
         "program": [["add", "r0", [0, 1, 2, 3], 1], ["step", 8, True]],
         "disagreement": "call 1 ('step', 8, True): the model returned 1, vLLM's scheduler 2",
-        "whole_sequence_admission": True,
         "workers": {"layers": 2, "heads": 2, "head_size": 4, "layout": "LHBNC"},
     }
     failure = validate(data)
@@ -227,25 +237,7 @@ def test_a_worker_machines_failure_is_one_format_with_its_layout() -> None:
 def test_a_worker_failure_file_loads_as_it_was_saved(tmp_path: Path) -> None:
     """A failure of the worker machine on the model alone, saved as a file, loads as it was,
     and its regression test names its machine and rebuilds its layout."""
-    failure = validate(
-        {
-            "format": 2,
-            "machine": WORKER,
-            "adapter": "model",
-            "variant": "fixed",
-            "config": {
-                "gpu_blocks": 4,
-                "cpu_blocks": 2,
-                "group_block_sizes": [4],
-                "hash_block_size": 4,
-                "world_size": 1,
-            },
-            "program": [["add", "r0", [0, 1, 2, 3], 1]],
-            "disagreement": "call 0 ('add', 'r0', [0, 1, 2, 3], 1): planted",
-            "whole_sequence_admission": True,
-            "workers": WorkerLayout()._asdict(),
-        }
-    )
+    failure = validate(FAILURE)
     path = tmp_path / failure.file_name
     path.write_text(json.dumps(failure.to_dict()))
     assert load(path) == failure
