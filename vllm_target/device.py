@@ -2,11 +2,13 @@
 
 vLLM's offload worker copies KV blocks with ``cuMemcpyBatchAsync`` on two copy streams, orders
 its stores after the forward with an event, polls events for completion and pins its host
-buffer with ``cudaHostRegister``. Without a GPU, :func:`installed` puts this emulation where
-those calls go (``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.Event``,
-``torch.cuda.cudart``, the driver's ``cuGetProcAddress``), so that the worker's own code runs
-and an ordering bug is observable: device memory is host memory, and work runs when the
-machine lets the device progress, not when it is queued.
+buffer with ``cudaHostRegister``. Without a GPU, :func:`install` (for the rest of a release
+environment's process) or :func:`installed` (for a block) puts this emulation where those
+calls go (``torch.cuda.Stream``, ``torch.cuda.current_stream``, ``torch.Event``,
+``torch.cuda.cudart``, the driver's ``cuGetProcAddress``), leading them to the active
+:class:`Host`, so that the worker's own code runs and an ordering bug is observable: device
+memory is host memory, and work runs when the machine lets the device progress, not when it
+is queued.
 
 What is emulated, each with the semantics CUDA documents (``tests/test_device.py`` holds each):
 
@@ -32,6 +34,9 @@ What is emulated, each with the semantics CUDA documents (``tests/test_device.py
   ``cudaErrorHostMemoryAlreadyRegistered``; ``cudaHostUnregister`` of an address that starts
   no registration is ``cudaErrorHostMemoryNotRegistered``.
 - **Devices**: one per rank, each with its own streams; a stream's handle names its device.
+- **Worker threads**: a thread over :class:`EmulatedQueue` s (vLLM's copy and IO threads)
+  runs on the caller's thread when the host says (:meth:`Host.run_threads`), its device
+  current, as long as its loop takes items: no thread timing reaches a verdict.
 
 What is real: the bytes (every copy is a ``memmove`` between the addresses vLLM computed),
 vLLM's code, torch's tensors. Not emulated: timing, priorities (recorded, never used),

@@ -48,7 +48,7 @@ import shutil
 import tempfile
 import types
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -144,12 +144,13 @@ class _Slot:
 
 @dataclass
 class Rank:
+    """One rank of the world: its device, vLLM's connector in the worker role and the
+    model runner's glue around it, and where each position of a block lives."""
+
     rank: int
     device: Device
     connector: Any
     glue: Any
-    kv_cache_config: Any
-    caches: dict[str, Any]  # layer name -> the runner's view
     # per group, per layer, per position in a block: where it lives
     slots: list[list[list[_Slot]]]
 
@@ -224,7 +225,6 @@ class VllmWorkers:
             )
             for g, size in enumerate(config.group_block_sizes)
         ]
-        self.group_of = {name: g for g, group in enumerate(groups) for name in group.layer_names}
         self.aggregator = KVOutputAggregator(config.world_size)
         self.ranks: list[Rank] = []
         for rank in range(config.world_size):
@@ -255,7 +255,7 @@ class VllmWorkers:
             glue = ActiveKVConnector(vllm_config, caches)
             self._hook(connector.worker_handler, rank)
             slots = self._slots(caches, connector.worker_handler, groups)
-            self.ranks.append(Rank(rank, device, connector, glue, kv_cache_config, caches, slots))
+            self.ranks.append(Rank(rank, device, connector, glue, slots))
             self.host.run_threads()
 
     # -- the step ---------------------------------------------------------------------------
@@ -348,7 +348,9 @@ class VllmWorkers:
         end: int,
         table: list[list[int]],
     ) -> None:
-        """The forward of one request, when the compute stream runs it."""
+        """The forward of one request, when the compute stream runs it: its first wrong
+        read is reported, and every write lands."""
+        reported = False
         for group, ids in enumerate(table):
             size = self.config.group_block_sizes[group]
             for layer, by_position in enumerate(rank.slots[group]):
@@ -360,32 +362,32 @@ class VllmWorkers:
                     want = _token(seeds[pos], group, layer, slot, rank.rank)
                     if pos >= start:
                         _write(slot, block, want)
-                    elif _read(slot, block) != want:
+                    elif not reported and _read(slot, block) != want:
                         self._wrong.append(
                             f"worker {rank.rank}: the forward of {rid} reads position {pos} "
                             f"of group {group} layer {layer} in GPU block {block}, which does "
                             "not hold its KV"
                         )
-                        return
+                        reported = True
 
     # -- the bytes at rest ------------------------------------------------------------------
 
     def mismatches(
         self,
-        gpu: Iterable[tuple[int, int, list[int]]],
-        cpu: Iterable[tuple[int, int, list[int]]],
+        gpu: Sequence[tuple[int, int, list[int]]],
+        cpu: Sequence[tuple[int, int, list[int]]],
     ) -> list[str]:
         """Every block of ``gpu`` and ``cpu`` ((block, group, the tokens of its key)) whose
         bytes on some rank are not its key's KV; GPU blocks a queued write is still to fill
         are passed over, as are CPU blocks of a copy not yet run."""
         problems: list[str] = []
         for rank in self.ranks:
-            busy = self._busy(rank)
+            busy, held = self._busy(rank), self._cpu_side(rank)
             for side, blocks in (("gpu", gpu), ("cpu", cpu)):
                 for block, group, tokens in blocks:
                     if block in busy[side]:
                         continue
-                    found = self._block_mismatch(rank, side, block, group, tokens)
+                    found = self._block_mismatch(rank, side, block, group, tokens, held)
                     if found is not None:
                         problems.append(found)
         return problems
@@ -411,11 +413,19 @@ class VllmWorkers:
         return busy
 
     def _block_mismatch(
-        self, rank: Rank, side: str, block: int, group: int, tokens: list[int]
+        self,
+        rank: Rank,
+        side: str,
+        block: int,
+        group: int,
+        tokens: list[int],
+        cpu: Callable[[str, int, int, int], bytes],
     ) -> str | None:
+        """Where ``block`` of ``side`` on ``rank`` does not hold the KV of the key of
+        ``tokens`` in ``group`` (its first wrong layer and position), or None; ``cpu`` reads
+        the CPU side's blocks."""
         size = self.config.group_block_sizes[group]
         seeds = token_seeds(tokens)[-size:]
-        cpu = self._cpu_side(rank)
         for layer, by_position in enumerate(rank.slots[group]):
             for pos, (seed, slot) in enumerate(zip(seeds, by_position, strict=True)):
                 want = _token(seed, group, layer, slot, rank.rank)
@@ -557,7 +567,9 @@ def _remove(folder: str | None) -> None:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _region_of(regions: Sequence[tuple[str, int, int]], address: int, size: int) -> Any:
+def _region_of(
+    regions: Sequence[tuple[str, int, int]], address: int, size: int
+) -> tuple[str, int] | None:
     """The worker's region whose row of block 0 holds ``[address, address + size)``, and
     the offset in that row; None where no region's row holds it."""
     for name, base, row in regions:
