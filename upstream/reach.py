@@ -286,11 +286,22 @@ def _function_spans(source: str) -> dict[str, list[tuple[int, int]]]:
     return spans
 
 
-# The two reasons; the reasoning of each entry is in docs/upstream.md ("What is reached,
-# measured").
+# The reasons; the reasoning of each entry is in docs/upstream.md ("What is reached,
+# measured"). The last three are the worker side's: hardware or a platform a CPU run does not
+# have, a failure the emulated device and host never make (only a bug of vLLM's would make
+# one), a call vLLM's worker or model runner never makes.
 DEAD = "dead code"
 SCHEDULER = "a call vLLM's scheduler never makes"
+PLATFORM = "another platform (ROCm, HugeTLB pages, O_DIRECT, no pinned memory)"
+FAILURE = "a failure of the device, the driver or the host"
+WORKER = "a call vLLM's worker never makes"
 _MANAGER = HEADLINE
+_WORKER, _COPY, _OPS = (
+    "v1/simple_kv_offload/worker.py",
+    "v1/simple_kv_offload/copy_backend.py",
+    "v1/simple_kv_offload/cuda_mem_ops.py",
+)
+_HOST, _DISK = "v1/simple_kv_offload/host_buffer.py", "v1/simple_kv_offload/disk_backend.py"
 UNREACHABLE = (
     Unreachable(
         _MANAGER,
@@ -477,6 +488,191 @@ UNREACHABLE = (
         2,
         SCHEDULER,
         "a reset between a load's allocation and its sending",
+    ),
+    # The worker side (issue 33), driven by the worker machine on the emulated device.
+    Unreachable(
+        _WORKER,
+        "register_kv_caches",
+        "if not kv_caches:",
+        1,
+        2,
+        WORKER,
+        "a model runner that registers no KV cache",
+    ),
+    Unreachable(
+        _WORKER,
+        "_init_cpu_mode",
+        "if not pin_memory:",
+        1,
+        3,
+        PLATFORM,
+        "a platform without pinned memory",
+    ),
+    Unreachable(
+        _WORKER,
+        "_alloc_cpu_caches",
+        "except Exception:",
+        0,
+        4,
+        FAILURE,
+        "a host registration refused part way",
+    ),
+    Unreachable(
+        _OPS,
+        "_resolve_max_batch_descriptors",
+        "if override > 0:",
+        1,
+        1,
+        PLATFORM,
+        "a cap on batch descriptors asked for (ROCm's need)",
+    ),
+    Unreachable(
+        _OPS,
+        "_resolve_batch_memcpy",
+        "if current_platform.is_rocm():",
+        1,
+        21,
+        PLATFORM,
+        "ROCm's hipMemcpyBatchAsync",
+    ),
+    Unreachable(
+        _OPS,
+        "_resolve_batch_memcpy",
+        'raise RuntimeError(f"cuGetProcAddress(cuMemcpyBatchAsync) failed: {err}")',
+        0,
+        1,
+        FAILURE,
+        "a driver without cuMemcpyBatchAsync",
+    ),
+    Unreachable(_OPS, "_load_hip_runtime", "errors = []", 0, 7, PLATFORM, "ROCm's runtime"),
+    Unreachable(_OPS, "_rocm_num_attrs", "ver = ctypes.c_int(0)", 0, 7, PLATFORM, "ROCm's version"),
+    Unreachable(
+        _OPS,
+        "_num_attrs_for_hip_version",
+        "major, minor = version // 10_000_000, (version // 100_000) % 100",
+        0,
+        2,
+        PLATFORM,
+        "ROCm's version",
+    ),
+    Unreachable(
+        _OPS,
+        "copy_blocks",
+        "if n == 0:",
+        1,
+        1,
+        # Both backends launch a copy only for a transfer with blocks, and copy block by
+        # block through their staging buffers.
+        WORKER,
+        "a copy of no blocks",
+    ),
+    Unreachable(
+        _OPS,
+        "copy_blocks",
+        "if err != 0:",
+        1,
+        3,
+        # The emulated device refuses a descriptor outside its memory as CUDA does; only an
+        # address vLLM computed wrong would reach it (a difference, then, not coverage).
+        FAILURE,
+        "a batch copy the device refuses",
+    ),
+    Unreachable(_COPY, "shutdown", "if self._shutdown:", 1, 1, WORKER, "a second shutdown"),
+    Unreachable(
+        _HOST,
+        "parse_hugepage_size",
+        "if key not in HUGEPAGE_SIZES:",
+        0,
+        6,
+        PLATFORM,
+        "HugeTLB pages for the host buffer",
+    ),
+    Unreachable(
+        _HOST,
+        "alloc_host_buffer",
+        "if hugepage_size:",
+        1,
+        1,
+        PLATFORM,
+        "HugeTLB pages for the host buffer",
+    ),
+    Unreachable(
+        _HOST,
+        "alloc_host_buffer",
+        "buf = mmap.mmap(-1, nbytes, flags=flags)",
+        1,
+        5,
+        FAILURE,
+        "a mapping refused",
+    ),
+    Unreachable(
+        _HOST,
+        "alloc_host_buffer",
+        'if not hugepage_size and os.environ.get("THP_MEM_ALLOC_ENABLE") == "1":',
+        1,
+        4,
+        PLATFORM,
+        "transparent huge pages asked for",
+    ),
+    Unreachable(
+        _HOST,
+        "alloc_host_buffer",
+        "populate(buf, 0, nbytes)",
+        1,
+        5,
+        FAILURE,
+        "a mapping the host cannot populate",
+    ),
+    Unreachable(
+        _DISK,
+        "init",
+        "assert total_block_bytes % _ALIGNMENT == 0, (",
+        0,
+        3,
+        # The temporary folder's file system may refuse O_DIRECT, and the blocks drawn are
+        # smaller than its 4 KiB alignment: the page cache is on.
+        PLATFORM,
+        "O_DIRECT files",
+    ),
+    Unreachable(_DISK, "init", "flags |= O_DIRECT", 0, 1, PLATFORM, "O_DIRECT files"),
+    Unreachable(_DISK, "shutdown", "if self._shutdown:", 1, 1, WORKER, "a second shutdown"),
+    Unreachable(_DISK, "shutdown", "if self._fd < 0:", 1, 1, WORKER, "a second shutdown"),
+    Unreachable(
+        _DISK,
+        "shutdown",
+        "for t in (self._store_thread, self._load_thread)",
+        2,
+        5,
+        FAILURE,
+        "an IO thread hung past its join",
+    ),
+    Unreachable(
+        _DISK,
+        "_writev_slot",
+        "if written < self._total_block_bytes:",
+        1,
+        4,
+        FAILURE,
+        "a short write",
+    ),
+    Unreachable(
+        _DISK,
+        "_readv_slot",
+        "if bytes_read < self._total_block_bytes:",
+        1,
+        4,
+        FAILURE,
+        "a short read",
+    ),
+    Unreachable(
+        _DISK,
+        "_load_loop",
+        "if wait_event is not None:",
+        1,
+        1,
+        # The worker passes a wait event with its stores only.
+        WORKER,
+        "a load that waits for an event",
     ),
 )
 
