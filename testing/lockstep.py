@@ -242,10 +242,7 @@ def compare(
     said = difference_words(expected, actual, mine, theirs, only, name)
     found += in_words(said + [f"in {name}, {w}" for w in wrong])
     if wrong:
-        # Wrong KV bytes under a key are a bug whatever the model decided (issue 34: the
-        # byte check judges the target's own blocks against each key's content).
-        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-        return target_broke_at(InvariantViolation("KV-BYTES", wrong[0] + more), call, n, found)
+        return bytes_broken(wrong, call, n, found)
     if mine is None or theirs is None:
         return found
     if call[0] == "fail_store":
@@ -280,6 +277,14 @@ def classified(
         }
         breaks = [v for v in breaks if v.invariant not in modelled]
     return found if not breaks else target_broke_at(breaks[0], target.call or (), n, found)
+
+
+def bytes_broken(wrong: Sequence[str], call: Call, n: int, found: str) -> str:
+    """Wrong KV bytes (``wrong``, each in words, the first named) as a verdict: a bug
+    whatever the model decided, the byte check judging the target's own blocks against each
+    key's content (issue 34), the contract KV-BYTES broken."""
+    more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
+    return target_broke_at(InvariantViolation("KV-BYTES", wrong[0] + more), call, n, found)
 
 
 def target_broke_at(broken: InvariantViolation, call: Call, n: int, found: str) -> str:

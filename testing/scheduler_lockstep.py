@@ -27,10 +27,10 @@ from kvoffload.model.variants import keeps_invariants
 from kvoffload.testing.lockstep import (
     Call,
     as_outcome,
+    bytes_broken,
     classified,
     describe_difference,
     model_broke_at,
-    target_broke_at,
 )
 from kvoffload.testing.targets import spec
 from kvoffload.testing.words import (
@@ -207,7 +207,7 @@ def compare_call(
         return (returned if results else raised) + in_words(results)
     before = _AGREED.get(target)
     # vLLM's own workers (issue 33): the KV their forwards read and every cached block's bytes
-    wrong = target.data_mismatches()
+    wrong = target.data_mismatches(theirs)
     if results:
         found = returned
     elif mine != theirs:
@@ -227,10 +227,7 @@ def compare_call(
         + [f"in {TARGET}'s workers, {w}" for w in wrong[:1]]
     )
     if wrong:
-        # Wrong KV bytes are a bug whatever the model decided (the contract KV-BYTES, judged
-        # on the workers' own blocks and forwards against each key's content).
-        more = f" (and {len(wrong) - 1} more)" if len(wrong) > 1 else ""
-        return target_broke_at(InvariantViolation("KV-BYTES", wrong[0] + more), call, n, found)
+        return bytes_broken(wrong, call, n, found)  # (the workers' blocks and forwards)
     # The class of the difference (issue 34), judged on vLLM's scheduler's own state. Its kv
     # events are judged only where the snapshots agree (_compare_events): vLLM publishes
     # those of the calls between two steps at the second, so no call's events go with its

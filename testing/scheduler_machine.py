@@ -299,27 +299,29 @@ class SchedulerMachine(LockstepMachine):
         reports owed before it as :func:`kvoffload.vllm_target.scheduler.picked` reads them
         (a step that sends a load of its own shifts the stores' by one: a report then picks
         another, which the interleaving table counts as it is)."""
-        model = self.model
-        loads = sorted({e for e, _ in model.outstanding("load")})
-        stores = model.outstanding("store")
         parts: list[tuple[str, int, int | None]]
         if order == "drawn":
-            parts = data.draw(
-                st.permutations([("load", e, -1) for e in loads] + [("store", *r) for r in stores])
-            )
+            parts = data.draw(st.permutations(self.owed_reports()))
         else:
             # latest first, one kind before the other, a store event's workers in one output
             first = "load" if order == "loads latest first" else "store"
-            events = [("load", e) for e in loads] + sorted({("store", e) for e, _ in stores})
-            events.reverse()
-            events.sort(key=lambda part: part[0] != first)
+            events = sorted({(kind, e) for kind, e, _ in self.owed_reports()})
+            events.sort(key=lambda part: (part[0] != first, -part[1]))
             parts = [(kind, e, None) for kind, e in events]
         for part in parts[:REPORTING_STEPS]:
-            owed = [("load", e, -1) for e in sorted({e for e, _ in model.outstanding("load")})]
-            owed += [("store", *r) for r in model.outstanding("store")]
+            owed = self.owed_reports()
             picks = [i for i, report in enumerate(owed) if _matches(report, part)]
             if picks:
                 self.run(("step", budget, False, picks), rule_name, continued=True)
+
+    def owed_reports(self) -> list[tuple[str, int, int]]:
+        """The reports owed as a step's picks index them (``picked``): each load event
+        (worker -1), then each (event, worker) store report."""
+        model = self.model
+        loads = sorted({e for e, _ in model.outstanding("load")})
+        return [("load", e, -1) for e in loads] + [
+            ("store", *r) for r in model.outstanding("store")
+        ]
 
     # Steps with every report until no request is live: a prompt computed, stored and out
     # of the GPU's way in one rule, so that repeats find it on the CPU.

@@ -143,19 +143,11 @@ class Stream:
         if event.captured is not None:
             self.enqueue(Work("wait", waits_for=event.captured))
 
-    def wait_stream(self, stream: Stream) -> None:
-        self.enqueue(Work("wait", waits_for=(stream, stream.issued)))
-
     def query(self) -> bool:
         return self.done == self.issued
 
     def synchronize(self) -> None:
         self.device.run_until(self, self.issued)
-
-    def record_event(self, event: Event | None = None) -> Event:
-        event = event if event is not None else Event()
-        event.record(self)
-        return event
 
     def __repr__(self) -> str:
         return f"Stream(device={self.device.index}, handle={self.cuda_stream:#x})"
@@ -181,9 +173,6 @@ class Event:
         if self.captured is not None:
             stream, position = self.captured
             stream.device.run_until(stream, position)
-
-    def wait(self, stream: Stream | None = None) -> None:
-        (stream if stream is not None else Device.current().current_stream).wait_event(self)
 
 
 @dataclass
@@ -244,11 +233,6 @@ class Device:
             if stream is not self.current_stream:
                 self.run_until(stream, stream.issued)
 
-    def run_all(self) -> None:
-        """Run every stream to its end (a device synchronize), the copies first."""
-        self.run_copies()
-        self.run_until(self.current_stream, self.current_stream.issued)
-
     def pending_writes(self) -> list[tuple[int, int]]:
         """The (address, bytes) ranges queued work of this device is still to write."""
         return [w for s in self.streams.values() for work in s.queued for w in work.writes]
@@ -256,9 +240,6 @@ class Device:
     def pending_blocks(self) -> set[int]:
         """The KV blocks queued work says it is still to write."""
         return {b for s in self.streams.values() for work in s.queued for b in work.blocks}
-
-    def idle(self) -> bool:
-        return all(s.query() for s in self.streams.values())
 
 
 @dataclass
@@ -395,9 +376,6 @@ class EmulatedQueue:
     def put(self, item: Any) -> None:
         self.items.append(item)
 
-    def put_nowait(self, item: Any) -> None:
-        self.put(item)
-
     def get(self, block: bool = True, timeout: float | None = None) -> Any:
         if not self.items:
             return None
@@ -406,12 +384,6 @@ class EmulatedQueue:
         if item is None and EmulatedThread.running is not None:
             EmulatedThread.running.stopped = True
         return item
-
-    def empty(self) -> bool:
-        return not self.items
-
-    def qsize(self) -> int:
-        return len(self.items)
 
 
 class EmulatedThread:

@@ -381,19 +381,21 @@ class VllmScheduler:
             self.keys.learn(digests[:n], hashes[:n])
             if self.workers is not None:
                 for i, digest in enumerate(digests):
-                    self.tokens_of.setdefault(digest, tokens[: (i + 1) * size])
+                    if digest not in self.tokens_of:  # (a prefix's tokens never change)
+                        self.tokens_of[digest] = tokens[: (i + 1) * size]
 
-    def data_mismatches(self) -> list[str]:
+    def data_mismatches(self, snap: Snapshot | None = None) -> list[str]:
         """With vLLM's workers: the wrong KV their forwards read since the last call, then
-        every cached block of both pools whose bytes on some rank are not its key's KV."""
+        every cached block of both pools whose bytes on some rank are not its key's KV (the
+        pools as ``snap`` shows them, the snapshot just taken, or a new one)."""
         if self.workers is None:
             return []
-        snap = self.snapshot()
+        snap = snap if snap is not None else self.snapshot()
         sides = []
         for pool in (snap.gpu, snap.cpu):
             sides.append(
                 [
-                    (block, key.group, self.tokens_of[key.digest][: key.num_tokens])
+                    (block, key.group, self.tokens_of[key.digest])
                     for key, ids in pool.cached
                     for block in ids
                     if key.digest in self.tokens_of

@@ -440,8 +440,8 @@ class VllmWorkers:
     def _cpu_side(self, rank: Rank) -> Callable[[str, int, int, int], bytes]:
         """How to read ``size`` bytes at ``offset`` of region ``name``'s row of CPU block
         ``block`` on ``rank``: from the pinned host tensors, or with the disk backend from
-        its file (a block's slot holds each region's row, one after the other, in the order
-        of the worker's regions)."""
+        its file as it is now, read once (a block's slot holds each region's row, one after
+        the other, in the order of the worker's regions)."""
         handler = rank.handler
         if handler.cpu_kv_caches is not None:
             tensors = handler.cpu_kv_caches
@@ -460,11 +460,12 @@ class VllmWorkers:
         for name, region in handler.gpu_kv_caches.items():
             starts[name] = at
             at += region.stride(0) * region.element_size()
+        with open(path, "rb") as file:
+            held = file.read()  # (one read a check: the file is the CPU pool's blocks)
 
         def from_disk(name: str, block: int, offset: int, size: int) -> bytes:
-            with open(path, "rb") as file:
-                file.seek(block * at + starts[name] + offset)
-                return file.read(size)
+            start = block * at + starts[name] + offset
+            return held[start : start + size]
 
         return from_disk
 
